@@ -1,0 +1,80 @@
+package agent
+
+import (
+	"encoding/binary"
+	"fmt"
+
+	"github.com/npuprobe/npuprobe/allocmodel"
+)
+
+// recordSize is sizeof(struct npu_event) in bpf/npuprobe.bpf.c. A test
+// checks it, and every field offset below, against the type bpf2go
+// generated from the object's BTF.
+const recordSize = 64
+
+// Field offsets of struct npu_event.
+const (
+	offSeq    = 0
+	offKtime  = 8
+	offAddr   = 16
+	offSize   = 24
+	offArg    = 32
+	offAux    = 40
+	offTgid   = 48
+	offTid    = 52
+	offFn     = 56
+	offKind   = 57
+	offCPU    = 58
+	offRC     = 60
+	maxFnCode = 7
+)
+
+// fnToCall maps enum npu_fn to the model's Call. Index = enum value.
+var fnToCall = [maxFnCode + 1]allocmodel.Call{
+	1: allocmodel.CallMalloc,
+	2: allocmodel.CallMallocAlign32,
+	3: allocmodel.CallMallocCached,
+	4: allocmodel.CallFree,
+	5: allocmodel.CallSetDevice,
+	6: allocmodel.CallGetDevice,
+	7: allocmodel.CallGetMemInfo,
+}
+
+// kindToOutcome maps enum npu_event_kind to the model's Outcome.
+var kindToOutcome = [...]allocmodel.Outcome{
+	1: allocmodel.OutcomeEntry,
+	2: allocmodel.OutcomeReturned,
+	3: allocmodel.OutcomeFailed,
+	4: allocmodel.OutcomeOOM,
+}
+
+// DecodeRecord decodes one ring-buffer record into ev. It decodes by hand
+// rather than with encoding/binary's reflection: this runs for every event
+// and must cost nanoseconds.
+func DecodeRecord(b []byte, ev *allocmodel.Event) error {
+	if len(b) < recordSize {
+		return fmt.Errorf("record of %d bytes, want %d", len(b), recordSize)
+	}
+	le := binary.LittleEndian // both BPF targets are little-endian
+	fn, kind := b[offFn], b[offKind]
+	if fn == 0 || int(fn) >= len(fnToCall) || fnToCall[fn] == 0 {
+		return fmt.Errorf("record with unknown function %d", fn)
+	}
+	if kind == 0 || int(kind) >= len(kindToOutcome) {
+		return fmt.Errorf("record with unknown kind %d", kind)
+	}
+	*ev = allocmodel.Event{
+		Seq:     le.Uint64(b[offSeq:]),
+		MonoNs:  int64(le.Uint64(b[offKtime:])),
+		Addr:    le.Uint64(b[offAddr:]),
+		Size:    le.Uint64(b[offSize:]),
+		Arg:     le.Uint64(b[offArg:]),
+		Tgid:    le.Uint32(b[offTgid:]),
+		Tid:     le.Uint32(b[offTid:]),
+		CPU:     le.Uint16(b[offCPU:]),
+		Call:    fnToCall[fn],
+		Outcome: kindToOutcome[kind],
+		RC:      int32(le.Uint32(b[offRC:])),
+	}
+	return nil
+}

@@ -1,0 +1,392 @@
+//go:build ignore
+
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * npuprobe's kernel half: uprobes on the CANN runtime's device-memory API.
+ *
+ * Every program here does the least it can: filter by process, pair a call's
+ * entry with its return, copy a few registers into one fixed-size record and
+ * enqueue it. All interpretation (segments, devices, OOM bookkeeping, time
+ * conversion) happens in user space, where it can be tested without a kernel.
+ *
+ * Invariants user space relies on:
+ *  - Records from one CPU carry consecutive per-CPU sequence numbers; a record
+ *    that could not be reserved still consumes its number, so a gap in one
+ *    CPU's sequence is exactly the number of records lost there (also counted
+ *    in counters[NPU_CTR_RINGBUF_FULL]).
+ *  - The ring buffer delivers records in reservation order across CPUs, which
+ *    is the order the calls' effects became visible (frees are recorded at
+ *    entry, before the memory can be handed out again; allocations at return,
+ *    after the runtime chose the address).
+ *  - ktime_ns is CLOCK_MONOTONIC (bpf_ktime_get_ns).
+ *  - Only processes whose tgid is in traced_tgids produce records.
+ */
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+
+#include "include/arch_regs.h"
+
+char LICENSE[] SEC("license") = "GPL";
+
+/* The functions we probe. Values are part of the record format. */
+enum npu_fn {
+	NPU_FN_MALLOC = 1,         /* aclrtMalloc(void **devPtr, size_t size, policy) */
+	NPU_FN_MALLOC_ALIGN32 = 2, /* aclrtMallocAlign32(void **devPtr, size_t size, policy) */
+	NPU_FN_MALLOC_CACHED = 3,  /* aclrtMallocCached(void **devPtr, size_t size, policy) */
+	NPU_FN_FREE = 4,           /* aclrtFree(void *devPtr) */
+	NPU_FN_SET_DEVICE = 5,     /* aclrtSetDevice(int32_t deviceId) */
+	NPU_FN_GET_DEVICE = 6,     /* aclrtGetDevice(int32_t *deviceId) */
+	NPU_FN_GET_MEM_INFO = 7,   /* aclrtGetMemInfo(aclrtMemAttr attr, size_t *free, size_t *total) */
+};
+
+/* What a record reports about the call. */
+enum npu_event_kind {
+	NPU_EV_ENTRY = 1,   /* recorded at function entry (frees) */
+	NPU_EV_RETURN = 2,  /* returned ACL_SUCCESS; outputs are valid */
+	NPU_EV_FAILED = 3,  /* returned another error code (rc) */
+	NPU_EV_OOM = 4,     /* an allocation returned ACL_ERROR_RT_MEMORY_ALLOCATION */
+};
+
+#define ACL_ERROR_RT_MEMORY_ALLOCATION 207001
+
+/*
+ * One record, 64 bytes, the same layout on amd64 and arm64. Field meaning per
+ * fn (all others zero):
+ *   mallocs:      addr = *devPtr (0 unless NPU_EV_RETURN), size, arg = policy
+ *   free:         addr = devPtr
+ *   set device:   arg = deviceId
+ *   get device:   arg = *deviceId
+ *   get mem info: arg = attr, addr = *free, size = *total
+ */
+struct npu_event {
+	__u64 seq;      /* per-CPU sequence number, see above */
+	__u64 ktime_ns; /* CLOCK_MONOTONIC at entry (NPU_EV_ENTRY) or return */
+	__u64 addr;
+	__u64 size;
+	__u64 arg;
+	__u64 aux;      /* reserved for probes that need a fourth value */
+	__u32 tgid;
+	__u32 tid;
+	__u8 fn;        /* enum npu_fn */
+	__u8 kind;      /* enum npu_event_kind */
+	__u16 cpu;
+	__s32 rc;       /* aclError; 0 for NPU_EV_ENTRY */
+};
+_Static_assert(sizeof(struct npu_event) == 64, "npu_event is part of the user-space ABI");
+
+/*
+ * Per-CPU counters. Kept per CPU so the hot path never contends on a shared
+ * cache line; user space sums them.
+ */
+enum npu_counter {
+	NPU_CTR_SEQ = 0,           /* next sequence number of this CPU */
+	NPU_CTR_RINGBUF_FULL = 1,  /* records that could not be reserved */
+	NPU_CTR_RETURN_UNPAIRED = 2, /* returns whose entry was not found (evicted, or attached mid-call) */
+	NPU_CTR_PENDING_FULL = 3,  /* entries that could not be stored */
+	NPU_CTR_READ_FAILED = 4,   /* output pointers that could not be read */
+	NPU_CTR_MAX = 8,
+};
+
+/* Key of a call in flight: one per thread and function, so calls of
+ * different probed functions may nest without confusing the pairing. */
+struct pending_key {
+	__u64 pid_tgid;
+	__u32 fn;
+	__u32 pad;
+};
+
+struct pending_call {
+	__u64 args[4];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	/* Resized by user space before loading (--ring-size); a power of two. */
+	__uint(max_entries, 8 << 20);
+} events SEC(".maps");
+
+/*
+ * Calls in flight. LRU, because a uretprobe never fires for a frame unwound
+ * by a C++ exception or longjmp (and the kernel caps return probes per task):
+ * such stale entries must age out instead of filling the map. A thread's next
+ * call of the same function overwrites its stale entry anyway.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct pending_key);
+	__type(value, struct pending_call);
+} pending SEC(".maps");
+
+/*
+ * Processes being traced (key: tgid in the root PID namespace, value unused).
+ * Filtering here rather than in user space means untraced processes that
+ * share the library cost one hash lookup and never touch the ring buffer.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32);
+	__type(value, __u32);
+} traced_tgids SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, NPU_CTR_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} counters SEC(".maps");
+
+/*
+ * Ring buffers carry untyped bytes, so nothing else puts struct npu_event into
+ * the object's BTF; this reference does, letting bpf2go emit its Go type.
+ */
+const struct npu_event *npu_event_btf_anchor __attribute__((unused));
+
+static __always_inline void count(__u32 which)
+{
+	__u64 *v = bpf_map_lookup_elem(&counters, &which);
+	if (v)
+		*v += 1; /* per-CPU and uprobe programs run with preemption off: no atomics needed */
+}
+
+static __always_inline int traced(__u64 pid_tgid)
+{
+	__u32 tgid = pid_tgid >> 32;
+	return bpf_map_lookup_elem(&traced_tgids, &tgid) != 0;
+}
+
+/*
+ * Takes this CPU's next sequence number and reserves a record. The number is
+ * consumed even when the ring buffer is full, which is what makes drops
+ * visible as gaps.
+ */
+static __always_inline struct npu_event *reserve(__u64 pid_tgid, __u8 fn, __u8 kind, __s32 rc)
+{
+	__u32 key = NPU_CTR_SEQ;
+	__u64 *seq = bpf_map_lookup_elem(&counters, &key);
+	if (!seq)
+		return 0;
+	__u64 my_seq = *seq;
+	*seq = my_seq + 1;
+
+	struct npu_event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
+	if (!e) {
+		count(NPU_CTR_RINGBUF_FULL);
+		return 0;
+	}
+	e->seq = my_seq;
+	e->ktime_ns = bpf_ktime_get_ns();
+	e->addr = 0;
+	e->size = 0;
+	e->arg = 0;
+	e->aux = 0;
+	e->tgid = pid_tgid >> 32;
+	e->tid = (__u32)pid_tgid;
+	e->fn = fn;
+	e->kind = kind;
+	e->cpu = (__u16)bpf_get_smp_processor_id();
+	e->rc = rc;
+	return e;
+}
+
+static __always_inline int save_entry(__u8 fn, __u64 a0, __u64 a1, __u64 a2, __u64 a3)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	if (!traced(pid_tgid))
+		return 0;
+	struct pending_key key = {.pid_tgid = pid_tgid, .fn = fn};
+	struct pending_call call = {.args = {a0, a1, a2, a3}};
+	if (bpf_map_update_elem(&pending, &key, &call, BPF_ANY))
+		count(NPU_CTR_PENDING_FULL);
+	return 0;
+}
+
+/*
+ * Looks up and removes the entry of the call now returning. Copies it out
+ * because the map value may be reused once deleted.
+ */
+static __always_inline int take_entry(__u64 pid_tgid, __u8 fn, struct pending_call *out)
+{
+	struct pending_key key = {.pid_tgid = pid_tgid, .fn = fn};
+	struct pending_call *call = bpf_map_lookup_elem(&pending, &key);
+	if (!call) {
+		count(NPU_CTR_RETURN_UNPAIRED);
+		return -1;
+	}
+	*out = *call;
+	bpf_map_delete_elem(&pending, &key);
+	return 0;
+}
+
+static __always_inline __u64 read_user_u64(__u64 uptr)
+{
+	__u64 v = 0;
+	if (bpf_probe_read_user(&v, sizeof(v), (const void *)uptr))
+		count(NPU_CTR_READ_FAILED);
+	return v;
+}
+
+static __always_inline __u32 read_user_u32(__u64 uptr)
+{
+	__u32 v = 0;
+	if (bpf_probe_read_user(&v, sizeof(v), (const void *)uptr))
+		count(NPU_CTR_READ_FAILED);
+	return v;
+}
+
+/* --- device-memory allocation: aclrtMalloc, aclrtMallocAlign32, aclrtMallocCached --- */
+
+static __always_inline int malloc_entry(struct npu_regs *ctx, __u8 fn)
+{
+	/* devPtr, size, policy (a 32-bit enum: only the low half is defined). */
+	return save_entry(fn, NPU_ARG0(ctx), NPU_ARG1(ctx), (__u32)NPU_ARG2(ctx), 0);
+}
+
+static __always_inline int malloc_return(struct npu_regs *ctx, __u8 fn)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	if (!traced(pid_tgid))
+		return 0;
+	struct pending_call call;
+	if (take_entry(pid_tgid, fn, &call))
+		return 0;
+
+	__s32 rc = (__s32)NPU_RET(ctx); /* aclError is an int: upper half undefined */
+	__u8 kind = NPU_EV_RETURN;
+	if (rc == ACL_ERROR_RT_MEMORY_ALLOCATION)
+		kind = NPU_EV_OOM;
+	else if (rc != 0)
+		kind = NPU_EV_FAILED;
+
+	struct npu_event *e = reserve(pid_tgid, fn, kind, rc);
+	if (!e)
+		return 0;
+	/* *devPtr is defined only on success. */
+	if (kind == NPU_EV_RETURN)
+		e->addr = read_user_u64(call.args[0]);
+	e->size = call.args[1];
+	e->arg = call.args[2];
+	bpf_ringbuf_submit(e, 0);
+	return 0;
+}
+
+SEC("uprobe/aclrtMalloc")
+int uprobe_aclrt_malloc(struct npu_regs *ctx) { return malloc_entry(ctx, NPU_FN_MALLOC); }
+
+SEC("uretprobe/aclrtMalloc")
+int uretprobe_aclrt_malloc(struct npu_regs *ctx) { return malloc_return(ctx, NPU_FN_MALLOC); }
+
+SEC("uprobe/aclrtMallocAlign32")
+int uprobe_aclrt_malloc_align32(struct npu_regs *ctx) { return malloc_entry(ctx, NPU_FN_MALLOC_ALIGN32); }
+
+SEC("uretprobe/aclrtMallocAlign32")
+int uretprobe_aclrt_malloc_align32(struct npu_regs *ctx) { return malloc_return(ctx, NPU_FN_MALLOC_ALIGN32); }
+
+SEC("uprobe/aclrtMallocCached")
+int uprobe_aclrt_malloc_cached(struct npu_regs *ctx) { return malloc_entry(ctx, NPU_FN_MALLOC_CACHED); }
+
+SEC("uretprobe/aclrtMallocCached")
+int uretprobe_aclrt_malloc_cached(struct npu_regs *ctx) { return malloc_return(ctx, NPU_FN_MALLOC_CACHED); }
+
+/* --- aclrtFree: recorded at entry --- */
+
+/*
+ * Recorded at entry, not return: the runtime may hand the same address to
+ * another thread the moment it is freed, and that thread's allocation record
+ * must come after this one in the ring.
+ */
+SEC("uprobe/aclrtFree")
+int uprobe_aclrt_free(struct npu_regs *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	if (!traced(pid_tgid))
+		return 0;
+	struct npu_event *e = reserve(pid_tgid, NPU_FN_FREE, NPU_EV_ENTRY, 0);
+	if (!e)
+		return 0;
+	e->addr = NPU_ARG0(ctx);
+	bpf_ringbuf_submit(e, 0);
+	return 0;
+}
+
+/* --- the calling thread's device --- */
+
+SEC("uprobe/aclrtSetDevice")
+int uprobe_aclrt_set_device(struct npu_regs *ctx)
+{
+	return save_entry(NPU_FN_SET_DEVICE, (__u32)NPU_ARG0(ctx), 0, 0, 0);
+}
+
+SEC("uretprobe/aclrtSetDevice")
+int uretprobe_aclrt_set_device(struct npu_regs *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	if (!traced(pid_tgid))
+		return 0;
+	struct pending_call call;
+	if (take_entry(pid_tgid, NPU_FN_SET_DEVICE, &call))
+		return 0;
+	__s32 rc = (__s32)NPU_RET(ctx);
+	struct npu_event *e = reserve(pid_tgid, NPU_FN_SET_DEVICE, rc ? NPU_EV_FAILED : NPU_EV_RETURN, rc);
+	if (!e)
+		return 0;
+	e->arg = call.args[0];
+	bpf_ringbuf_submit(e, 0);
+	return 0;
+}
+
+SEC("uprobe/aclrtGetDevice")
+int uprobe_aclrt_get_device(struct npu_regs *ctx)
+{
+	return save_entry(NPU_FN_GET_DEVICE, NPU_ARG0(ctx), 0, 0, 0);
+}
+
+SEC("uretprobe/aclrtGetDevice")
+int uretprobe_aclrt_get_device(struct npu_regs *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	if (!traced(pid_tgid))
+		return 0;
+	struct pending_call call;
+	if (take_entry(pid_tgid, NPU_FN_GET_DEVICE, &call))
+		return 0;
+	__s32 rc = (__s32)NPU_RET(ctx);
+	struct npu_event *e = reserve(pid_tgid, NPU_FN_GET_DEVICE, rc ? NPU_EV_FAILED : NPU_EV_RETURN, rc);
+	if (!e)
+		return 0;
+	if (!rc)
+		e->arg = read_user_u32(call.args[0]);
+	bpf_ringbuf_submit(e, 0);
+	return 0;
+}
+
+/* --- aclrtGetMemInfo: the free-bytes figure of an OOM --- */
+
+SEC("uprobe/aclrtGetMemInfo")
+int uprobe_aclrt_get_mem_info(struct npu_regs *ctx)
+{
+	return save_entry(NPU_FN_GET_MEM_INFO, (__u32)NPU_ARG0(ctx), NPU_ARG1(ctx), NPU_ARG2(ctx), 0);
+}
+
+SEC("uretprobe/aclrtGetMemInfo")
+int uretprobe_aclrt_get_mem_info(struct npu_regs *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	if (!traced(pid_tgid))
+		return 0;
+	struct pending_call call;
+	if (take_entry(pid_tgid, NPU_FN_GET_MEM_INFO, &call))
+		return 0;
+	__s32 rc = (__s32)NPU_RET(ctx);
+	struct npu_event *e = reserve(pid_tgid, NPU_FN_GET_MEM_INFO, rc ? NPU_EV_FAILED : NPU_EV_RETURN, rc);
+	if (!e)
+		return 0;
+	e->arg = call.args[0];
+	if (!rc) {
+		e->addr = read_user_u64(call.args[1]);
+		e->size = read_user_u64(call.args[2]);
+	}
+	bpf_ringbuf_submit(e, 0);
+	return 0;
+}

@@ -1,0 +1,165 @@
+package main
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"github.com/npuprobe/npuprobe/agent"
+	"github.com/npuprobe/npuprobe/tests/fixture"
+)
+
+// runDemo builds the bundled workload (a fake CANN runtime and a program
+// that allocates and frees device memory from several threads the way
+// torch_npu does), starts it, attaches to it by PID like a user would,
+// traces it to the end and writes the snapshot.
+func runDemo(args []string, stdout, stderr io.Writer) int {
+	var f traceFlags
+	var outFile string
+	var calls, threads int
+	fs := newFlags("demo", stderr)
+	fs.StringVar(&outFile, "out", "npuprobe-demo.pickle", "snapshot file to write (replaced if it exists)")
+	fs.IntVar(&calls, "calls", 20000, "runtime calls the demo workload makes after attach")
+	fs.IntVar(&threads, "threads", 2, "threads of the demo workload")
+	addCommonFlags(fs, &f)
+	if code, ok := parseFlags(fs, args, stdout, stderr); !ok {
+		return code
+	}
+	status, err := newStatusLine(f.statusInterval, stderr)
+	if err != nil {
+		fmt.Fprintf(stderr, "npuprobe: %v\n", err)
+		return exitUsage
+	}
+	if outFile == "" || strings.HasSuffix(outFile, "/") {
+		fmt.Fprintln(stderr, "npuprobe: --out must name a file")
+		return exitUsage
+	}
+	dir, err := openOutDir(filepath.Dir(outFile))
+	if err != nil {
+		return fail(stderr, err)
+	}
+	defer dir.Close()
+
+	// Load the BPF programs first: without privilege there is no point
+	// building anything.
+	tracer, err := agent.NewTracer(agent.Options{RingBufferBytes: f.ringSize})
+	if err != nil {
+		return fail(stderr, err)
+	}
+	defer tracer.Close()
+
+	work, err := os.MkdirTemp("", "npuprobe-demo-")
+	if err != nil {
+		return fail(stderr, err)
+	}
+	defer os.RemoveAll(work)
+	fmt.Fprintln(stderr, "npuprobe: building the demo workload (fake CANN runtime + workload) with gcc")
+	paths, err := fixture.Build(work)
+	if err != nil {
+		return fail(stderr, fmt.Errorf("build the demo workload: %w", err))
+	}
+
+	wl, err := startWorkload(paths, work, calls, threads)
+	if err != nil {
+		return fail(stderr, err)
+	}
+	defer wl.kill()
+	fmt.Fprintf(stderr, "npuprobe: demo workload running as pid %d, waiting to be traced\n", wl.pid)
+
+	s := newSession(tracer, dir, f.maxEntries, stderr)
+	s.status = status
+	s.finalName = filepath.Base(outFile)
+	p, err := s.add(wl.pid)
+	if err != nil {
+		return fail(stderr, err)
+	}
+	reportAttach(stderr, p.target)
+
+	// Let the workload run; once it reports done, let it exit, which makes
+	// the session write the final snapshot.
+	go func() {
+		if err := wl.send("go"); err != nil {
+			return
+		}
+		if wl.waitFor("done") == nil {
+			wl.send("exit")
+		}
+	}()
+	if err := s.run(); err != nil {
+		return fail(stderr, err)
+	}
+	if err := wl.cmd.Wait(); err != nil {
+		return fail(stderr, fmt.Errorf("demo workload: %w", err))
+	}
+	fmt.Fprintf(stdout, "Snapshot: %s\nOpen https://pytorch.org/memory_viz and drop the file onto the page.\n", outFile)
+	return exitOK
+}
+
+// workload is a running fixture program driven over its stdin and stdout.
+type workload struct {
+	cmd   *exec.Cmd
+	pid   int
+	stdin io.WriteCloser
+	lines *bufio.Scanner
+}
+
+func startWorkload(paths *fixture.Paths, work string, calls, threads int) (*workload, error) {
+	cmd := exec.Command(paths.SegmentWorkload,
+		"--gt", filepath.Join(work, "groundtruth.txt"),
+		"--calls", strconv.Itoa(calls),
+		"--threads", strconv.Itoa(threads))
+	cmd.Env = append(os.Environ(), paths.Env()...)
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start demo workload: %w", err)
+	}
+	w := &workload{cmd: cmd, stdin: stdin, lines: bufio.NewScanner(stdout)}
+	if !w.lines.Scan() {
+		w.kill()
+		return nil, fmt.Errorf("demo workload exited before it was ready")
+	}
+	fields := strings.Fields(w.lines.Text())
+	if len(fields) != 2 || fields[0] != "ready" {
+		w.kill()
+		return nil, fmt.Errorf("demo workload said %q, want \"ready PID\"", w.lines.Text())
+	}
+	w.pid, err = strconv.Atoi(fields[1])
+	if err != nil {
+		w.kill()
+		return nil, fmt.Errorf("demo workload said %q: %w", w.lines.Text(), err)
+	}
+	return w, nil
+}
+
+func (w *workload) send(line string) error {
+	_, err := io.WriteString(w.stdin, line+"\n")
+	return err
+}
+
+func (w *workload) waitFor(line string) error {
+	for w.lines.Scan() {
+		if strings.TrimSpace(w.lines.Text()) == line {
+			return nil
+		}
+	}
+	return fmt.Errorf("workload ended before %q", line)
+}
+
+func (w *workload) kill() {
+	if w.cmd.ProcessState == nil && w.cmd.Process != nil {
+		w.cmd.Process.Kill()
+	}
+}

@@ -1,0 +1,253 @@
+// Command npuprobe traces a running process's Ascend NPU memory calls with
+// eBPF and writes PyTorch memory snapshots (pytorch.org/memory_viz) with a
+// correct time_us on every entry.
+//
+//	npuprobe --pid PID [--out DIR] [--max-entries N]   trace; SIGUSR1 writes a snapshot
+//	npuprobe demo [--out FILE]                         trace the bundled demo workload
+package main
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/spf13/pflag"
+	"golang.org/x/term"
+
+	"github.com/npuprobe/npuprobe/agent"
+	"github.com/npuprobe/npuprobe/output"
+)
+
+// Exit codes.
+const (
+	exitOK    = 0
+	exitError = 1 // a problem while running: the message names the fix
+	exitUsage = 2 // bad command line
+)
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+func run(args []string, stdout, stderr io.Writer) int {
+	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
+		cmd, rest := args[0], args[1:]
+		switch cmd {
+		case "trace":
+			return runTrace(rest, stdout, stderr)
+		case "demo":
+			return runDemo(rest, stdout, stderr)
+		case "help":
+			usage(stdout)
+			return exitOK
+		default:
+			fmt.Fprintf(stderr, "npuprobe: unknown command %q (commands: trace, demo; see npuprobe --help)\n", cmd)
+			return exitUsage
+		}
+	}
+	return runTrace(args, stdout, stderr)
+}
+
+func usage(w io.Writer) {
+	fmt.Fprint(w, `npuprobe traces a process's Ascend NPU device-memory calls with eBPF and
+writes PyTorch memory snapshots (open them at https://pytorch.org/memory_viz).
+
+Usage:
+  npuprobe [trace] --pid PID [--out DIR] [--max-entries N]
+      Attach to a running process. SIGUSR1 writes a snapshot and tracing
+      goes on; SIGINT/SIGTERM or the process's exit writes a final one.
+  npuprobe demo [--out FILE]
+      Build and trace the bundled demo workload end to end (needs gcc).
+
+Run 'npuprobe trace --help' or 'npuprobe demo --help' for the flags.
+`)
+}
+
+// newFlags returns a flag set that reports errors in one line instead of
+// printing the whole usage text.
+func newFlags(name string, stderr io.Writer) *pflag.FlagSet {
+	fs := pflag.NewFlagSet(name, pflag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.SortFlags = false
+	return fs
+}
+
+// parseFlags parses args, printing help on --help and one line on error.
+// ok is false when the caller should exit with code.
+func parseFlags(fs *pflag.FlagSet, args []string, stdout, stderr io.Writer) (code int, ok bool) {
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, pflag.ErrHelp) {
+			fmt.Fprintf(stdout, "Usage of npuprobe %s:\n%s", fs.Name(), fs.FlagUsages())
+			return exitOK, false
+		}
+		fmt.Fprintf(stderr, "npuprobe: %v (see npuprobe %s --help)\n", err, fs.Name())
+		return exitUsage, false
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "npuprobe: unexpected argument %q (see npuprobe %s --help)\n", fs.Arg(0), fs.Name())
+		return exitUsage, false
+	}
+	return 0, true
+}
+
+// fail prints err as npuprobe's one-line error and returns the exit code.
+func fail(stderr io.Writer, err error) int {
+	fmt.Fprintf(stderr, "npuprobe: %v\n", err)
+	return exitError
+}
+
+type traceFlags struct {
+	pid            int
+	out            string
+	maxEntries     int
+	ringSize       int
+	statusInterval string
+}
+
+func addCommonFlags(fs *pflag.FlagSet, f *traceFlags) {
+	fs.IntVar(&f.maxEntries, "max-entries", 1_000_000, "trace entries kept per device; the oldest are overwritten (0: keep all)")
+	fs.IntVar(&f.ringSize, "ring-size", agent.DefaultRingBufferBytes, "BPF ring buffer size in bytes (a power of two)")
+	fs.StringVar(&f.statusInterval, "status-interval", "auto", "how often to print the status line (auto: 1s on a terminal, 30s otherwise; 0 for never)")
+}
+
+func runTrace(args []string, stdout, stderr io.Writer) int {
+	var f traceFlags
+	fs := newFlags("trace", stderr)
+	fs.IntVar(&f.pid, "pid", 0, "PID of the process to trace (required)")
+	fs.StringVar(&f.out, "out", ".", "directory snapshots are written to")
+	addCommonFlags(fs, &f)
+	if code, ok := parseFlags(fs, args, stdout, stderr); !ok {
+		return code
+	}
+	if f.pid == 0 {
+		fmt.Fprintln(stderr, "npuprobe: --pid is required (see npuprobe --help)")
+		return exitUsage
+	}
+	if f.maxEntries < 0 {
+		fmt.Fprintln(stderr, "npuprobe: --max-entries must be 0 (keep all) or positive")
+		return exitUsage
+	}
+	status, err := newStatusLine(f.statusInterval, stderr)
+	if err != nil {
+		fmt.Fprintf(stderr, "npuprobe: %v\n", err)
+		return exitUsage
+	}
+
+	dir, err := openOutDir(f.out)
+	if err != nil {
+		return fail(stderr, err)
+	}
+	defer dir.Close()
+	if err := agent.CheckProcess(f.pid); err != nil {
+		return fail(stderr, err)
+	}
+	tracer, err := agent.NewTracer(agent.Options{RingBufferBytes: f.ringSize})
+	if err != nil {
+		return fail(stderr, err)
+	}
+	defer tracer.Close()
+
+	s := newSession(tracer, dir, f.maxEntries, stderr)
+	s.status = status
+	p, err := s.add(f.pid)
+	if err != nil {
+		return fail(stderr, err)
+	}
+	reportAttach(stderr, p.target)
+	fmt.Fprintf(stderr, "npuprobe: tracing; kill -USR1 %d writes a snapshot to %s, Ctrl-C or kill -TERM %d stops\n",
+		os.Getpid(), dir.Path(), os.Getpid())
+
+	stop := forwardSignals(s)
+	defer stop()
+	if err := s.run(); err != nil {
+		return fail(stderr, err)
+	}
+	return exitOK
+}
+
+// openOutDir refuses a missing or unwritable directory at start, with the fix.
+func openOutDir(path string) (*output.Dir, error) {
+	dir, err := output.OpenDir(path)
+	if err != nil {
+		return nil, fmt.Errorf("cannot write snapshots to %s: %w (create it or choose another --out)", path, errors.Unwrap(err))
+	}
+	return dir, nil
+}
+
+func reportAttach(w io.Writer, t *agent.Target) {
+	byFile := make(map[string][]string)
+	var files []string
+	for sym, file := range t.Attached {
+		if byFile[file] == nil {
+			files = append(files, file)
+		}
+		byFile[file] = append(byFile[file], sym)
+	}
+	for _, file := range files {
+		fmt.Fprintf(w, "npuprobe: attached to pid %d (%s): %d functions in %s\n", t.PID, t.Name, len(byFile[file]), file)
+	}
+	if len(t.Missing) > 0 {
+		fmt.Fprintf(w, "npuprobe: not defined by the runtime, not traced: %s\n", strings.Join(t.Missing, ", "))
+	}
+	for sym, others := range t.AlsoDefined {
+		fmt.Fprintf(w, "npuprobe: %s is also defined in %s; traced once, where the process binds it (%s)\n",
+			sym, strings.Join(others, ", "), t.Attached[sym])
+	}
+}
+
+// forwardSignals turns SIGUSR1 into a snapshot and SIGINT/SIGTERM into a
+// final snapshot and exit. Snapshots are written by the event loop, never in
+// the signal path.
+func forwardSignals(s *session) (stop func()) {
+	sigs := make(chan os.Signal, 8)
+	signal.Notify(sigs, syscall.SIGUSR1, syscall.SIGINT, syscall.SIGTERM)
+	done := make(chan struct{})
+	go func() {
+		for {
+			select {
+			case <-done:
+				return
+			case sig := <-sigs:
+				r := request{reason: "signal", at: s.clk.Monotonic()}
+				if sig != syscall.SIGUSR1 {
+					r.reason, r.stop = "final", true
+				}
+				select {
+				case s.requests <- r:
+				case <-done:
+					return
+				}
+			}
+		}
+	}()
+	return func() {
+		signal.Stop(sigs)
+		close(done)
+	}
+}
+
+func newStatusLine(spec string, w io.Writer) (*statusLine, error) {
+	l := &statusLine{w: w}
+	if f, ok := w.(*os.File); ok {
+		l.tty = term.IsTerminal(int(f.Fd()))
+	}
+	switch spec {
+	case "auto":
+		l.interval = 30e9
+		if l.tty {
+			l.interval = 1e9
+		}
+	default:
+		d, err := time.ParseDuration(spec)
+		if err != nil {
+			return nil, fmt.Errorf("bad --status-interval %q: %v", spec, err)
+		}
+		l.interval = d
+	}
+	return l, nil
+}

@@ -1,0 +1,12 @@
+module github.com/npuprobe/npuprobe
+
+go 1.26.8
+
+require (
+	github.com/cilium/ebpf v0.22.0
+	github.com/spf13/pflag v1.1.0
+	golang.org/x/sys v0.50.0
+	golang.org/x/term v0.48.0
+)
+
+tool github.com/cilium/ebpf/cmd/bpf2go
