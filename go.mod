@@ -9,4 +9,6 @@ require (
 	golang.org/x/term v0.48.0
 )
 
+require github.com/nlpodyssey/gopickle v0.2.0 // indirect
+
 tool github.com/cilium/ebpf/cmd/bpf2go

@@ -1,0 +1,353 @@
+// Package e2e runs the real npuprobe binary, as root, against real
+// processes: fixture workloads driving the fake CANN runtime. Every check
+// compares npuprobe's snapshot with the ground truth the workload recorded
+// itself, and every snapshot passes the independent Python checker in
+// tests/snapshotcheck.
+package e2e
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/npuprobe/npuprobe/tests/fixture"
+)
+
+var (
+	// binDir holds the npuprobe binary and the fixtures, world-readable so
+	// that tests can run them as an unprivileged user too.
+	binDir   string
+	npuprobe string
+	fixtures *fixture.Paths
+	repoRoot string
+)
+
+func TestMain(m *testing.M) {
+	flag.Parse()
+	if testing.Short() {
+		fmt.Println("e2e: skipped in -short mode")
+		os.Exit(0)
+	}
+	if os.Geteuid() != 0 {
+		fmt.Fprintln(os.Stderr, "e2e: these tests load eBPF programs and must run as root (or use go test -short to skip them)")
+		os.Exit(1)
+	}
+	code, err := setup()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "e2e setup:", err)
+		os.Exit(1)
+	}
+	code = m.Run()
+	os.RemoveAll(binDir)
+	os.Exit(code)
+}
+
+func setup() (int, error) {
+	_, file, _, _ := runtime.Caller(0)
+	repoRoot = filepath.Clean(filepath.Join(filepath.Dir(file), "..", ".."))
+	var err error
+	if binDir, err = os.MkdirTemp("", "npuprobe-e2e-"); err != nil {
+		return 1, err
+	}
+	if err := os.Chmod(binDir, 0o755); err != nil {
+		return 1, err
+	}
+	npuprobe = filepath.Join(binDir, "npuprobe")
+	build := exec.Command("go", "build", "-o", npuprobe, "./cmd/npuprobe")
+	build.Dir = repoRoot
+	if out, err := build.CombinedOutput(); err != nil {
+		return 1, fmt.Errorf("go build: %v\n%s", err, out)
+	}
+	if fixtures, err = fixture.Build(filepath.Join(binDir, "fixtures")); err != nil {
+		return 1, err
+	}
+	return 0, nil
+}
+
+// workload is a running fixture program.
+type workload struct {
+	t      *testing.T
+	cmd    *exec.Cmd
+	pid    int
+	gtPath string
+	stdin  io.WriteCloser
+	lines  chan string
+}
+
+// startWorkload starts a fixture program with args (plus --gt) and waits
+// for its "ready PID" line.
+func startWorkload(t *testing.T, bin string, env []string, args ...string) *workload {
+	t.Helper()
+	gt := filepath.Join(t.TempDir(), "groundtruth.txt")
+	cmd := exec.Command(bin, append([]string{"--gt", gt}, args...)...)
+	cmd.Env = append(append(os.Environ(), fixtures.Env()...), env...)
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	w := &workload{t: t, cmd: cmd, gtPath: gt, stdin: stdin, lines: make(chan string, 16)}
+	t.Cleanup(func() {
+		if cmd.ProcessState == nil {
+			cmd.Process.Kill()
+			cmd.Wait()
+		}
+	})
+	go func() {
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			w.lines <- sc.Text()
+		}
+		close(w.lines)
+	}()
+	line := w.expectLine("ready ", 30*time.Second)
+	if w.pid, err = strconv.Atoi(strings.TrimPrefix(line, "ready ")); err != nil {
+		t.Fatalf("workload said %q", line)
+	}
+	return w
+}
+
+func (w *workload) expectLine(prefix string, timeout time.Duration) string {
+	w.t.Helper()
+	deadline := time.After(timeout)
+	for {
+		select {
+		case line, ok := <-w.lines:
+			if !ok {
+				w.t.Fatalf("workload ended before printing %q", prefix)
+			}
+			if strings.HasPrefix(line, prefix) {
+				return line
+			}
+		case <-deadline:
+			w.t.Fatalf("workload did not print %q within %v", prefix, timeout)
+		}
+	}
+}
+
+func (w *workload) send(line string) {
+	w.t.Helper()
+	if _, err := io.WriteString(w.stdin, line+"\n"); err != nil {
+		w.t.Fatalf("write %q to workload: %v", line, err)
+	}
+}
+
+func (w *workload) groundTruth() *fixture.GroundTruth {
+	w.t.Helper()
+	f, err := os.Open(w.gtPath)
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	defer f.Close()
+	gt, err := fixture.ParseGroundTruth(f)
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	return gt
+}
+
+// agentProc is a running npuprobe.
+type agentProc struct {
+	t      *testing.T
+	cmd    *exec.Cmd
+	mu     sync.Mutex
+	stderr bytes.Buffer
+	lines  chan string // stderr lines
+	done   chan struct{}
+}
+
+// startAgent runs npuprobe with args and waits until it reports tracing.
+func startAgent(t *testing.T, args ...string) *agentProc {
+	t.Helper()
+	a := runAgent(t, args...)
+	a.expect(regexp.MustCompile(`^npuprobe: tracing`), 30*time.Second)
+	return a
+}
+
+func runAgent(t *testing.T, args ...string) *agentProc {
+	t.Helper()
+	cmd := exec.Command(npuprobe, args...)
+	pr, pw := io.Pipe()
+	a := &agentProc{t: t, cmd: cmd, lines: make(chan string, 1024), done: make(chan struct{})}
+	cmd.Stderr = pw
+	cmd.Stdout = os.Stdout
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		sc := bufio.NewScanner(pr)
+		for sc.Scan() {
+			a.mu.Lock()
+			a.stderr.WriteString(sc.Text() + "\n")
+			a.mu.Unlock()
+			a.lines <- sc.Text()
+		}
+		close(a.lines)
+	}()
+	go func() {
+		cmd.Wait()
+		pw.Close()
+		close(a.done)
+	}()
+	t.Cleanup(func() {
+		select {
+		case <-a.done:
+		default:
+			cmd.Process.Kill()
+			<-a.done
+		}
+		if t.Failed() {
+			t.Logf("npuprobe stderr:\n%s", a.log())
+		}
+	})
+	return a
+}
+
+func (a *agentProc) log() string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.stderr.String()
+}
+
+// expect waits for a stderr line matching re and returns its submatches.
+func (a *agentProc) expect(re *regexp.Regexp, timeout time.Duration) []string {
+	a.t.Helper()
+	deadline := time.After(timeout)
+	for {
+		select {
+		case line, ok := <-a.lines:
+			if !ok {
+				a.t.Fatalf("npuprobe ended before printing a line matching %q", re)
+			}
+			if m := re.FindStringSubmatch(line); m != nil {
+				return m
+			}
+		case <-deadline:
+			a.t.Fatalf("npuprobe printed no line matching %q within %v", re, timeout)
+		}
+	}
+}
+
+var wroteRE = regexp.MustCompile(`wrote (\S+\.pickle)$`)
+
+// snapshot sends SIGUSR1 and returns the written file.
+func (a *agentProc) snapshot() string {
+	a.t.Helper()
+	if err := a.cmd.Process.Signal(syscall.SIGUSR1); err != nil {
+		a.t.Fatal(err)
+	}
+	return a.expect(wroteRE, 60*time.Second)[1]
+}
+
+// wait waits for npuprobe to exit and returns its exit code.
+func (a *agentProc) wait(timeout time.Duration) int {
+	a.t.Helper()
+	select {
+	case <-a.done:
+	case <-time.After(timeout):
+		a.t.Fatalf("npuprobe did not exit within %v", timeout)
+	}
+	return a.cmd.ProcessState.ExitCode()
+}
+
+// Snapshot mirrors the pickled dict as the Python checker dumps it to JSON.
+type Snapshot struct {
+	Segments          []Segment                  `json:"segments"`
+	DeviceTraces      [][]TraceEntry             `json:"device_traces"`
+	AllocatorSettings map[string]json.RawMessage `json:"allocator_settings"`
+}
+
+type Segment struct {
+	Device        int     `json:"device"`
+	Address       uint64  `json:"address"`
+	TotalSize     uint64  `json:"total_size"`
+	AllocatedSize uint64  `json:"allocated_size"`
+	ActiveSize    uint64  `json:"active_size"`
+	RequestedSize uint64  `json:"requested_size"`
+	Stream        uint64  `json:"stream"`
+	SegmentType   string  `json:"segment_type"`
+	PoolID        []int64 `json:"segment_pool_id"`
+	IsExpandable  bool    `json:"is_expandable"`
+	Blocks        []Block `json:"blocks"`
+}
+
+type Block struct {
+	Address       uint64 `json:"address"`
+	Size          uint64 `json:"size"`
+	RequestedSize uint64 `json:"requested_size"`
+	State         string `json:"state"`
+}
+
+type TraceEntry struct {
+	Action     string  `json:"action"`
+	Addr       *uint64 `json:"addr"`
+	DeviceFree *uint64 `json:"device_free"`
+	Size       uint64  `json:"size"`
+	Stream     uint64  `json:"stream"`
+	TimeUs     int64   `json:"time_us"`
+	PoolID     []int64 `json:"pool_id"`
+}
+
+// loadSnapshot runs the Python checker on path (it must pass) and returns
+// the snapshot as the checker loaded it with python3's pickle.
+func loadSnapshot(t *testing.T, path string) *Snapshot {
+	t.Helper()
+	jsonPath := filepath.Join(t.TempDir(), "snapshot.json")
+	check := exec.Command("python3", filepath.Join(repoRoot, "tests", "snapshotcheck", "check_snapshot.py"),
+		"--expect-time", "--json-out", jsonPath, path)
+	out, err := check.CombinedOutput()
+	if err != nil {
+		t.Fatalf("snapshot checker rejected %s: %v\n%s", path, err, out)
+	}
+	b, err := os.ReadFile(jsonPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var s Snapshot
+	dec := json.NewDecoder(bytes.NewReader(b))
+	if err := dec.Decode(&s); err != nil {
+		t.Fatalf("decode checker JSON: %v", err)
+	}
+	checkGopickleAgrees(t, path, b)
+	st, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Mode().Perm() != 0o600 {
+		t.Errorf("%s has mode %v, want 0600", path, st.Mode().Perm())
+	}
+	return &s
+}
+
+// setting decodes one allocator_settings value.
+func (s *Snapshot) setting(t *testing.T, key string, v any) {
+	t.Helper()
+	raw, ok := s.AllocatorSettings[key]
+	if !ok {
+		t.Fatalf("allocator_settings has no %q", key)
+	}
+	if err := json.Unmarshal(raw, v); err != nil {
+		t.Fatalf("allocator_settings[%q]: %v", key, err)
+	}
+}
