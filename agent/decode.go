@@ -10,35 +10,50 @@ import (
 // recordSize is sizeof(struct npu_event) in bpf/npuprobe.bpf.c. A test
 // checks it, and every field offset below, against the type bpf2go
 // generated from the object's BTF.
-const recordSize = 64
+const recordSize = 80
 
 // Field offsets of struct npu_event.
 const (
-	offSeq    = 0
-	offKtime  = 8
-	offAddr   = 16
-	offSize   = 24
-	offArg    = 32
-	offAux    = 40
-	offTgid   = 48
-	offTid    = 52
-	offFn     = 56
-	offKind   = 57
-	offCPU    = 58
-	offRC     = 60
-	maxFnCode = 7
+	offSeq       = 0
+	offKtime     = 8
+	offAddr      = 16
+	offSize      = 24
+	offArg       = 32
+	offCtxStream = 40
+	offCtxSize   = 48
+	offTgid      = 56
+	offTid       = 60
+	offRC        = 64
+	offCtxDevice = 68
+	offCPU       = 72
+	offFn        = 74
+	offKind      = 75
+	offFlags     = 76
+	maxFnCode    = 21
 )
 
 // fnToCall maps enum npu_fn to the model's Call. Index = enum value.
 var fnToCall = [maxFnCode + 1]allocmodel.Call{
-	1: allocmodel.CallMalloc,
-	2: allocmodel.CallMallocAlign32,
-	3: allocmodel.CallMallocCached,
-	4: allocmodel.CallFree,
-	5: allocmodel.CallSetDevice,
-	6: allocmodel.CallGetDevice,
-	7: allocmodel.CallGetMemInfo,
+	1:  allocmodel.CallMalloc,
+	2:  allocmodel.CallMallocAlign32,
+	3:  allocmodel.CallMallocCached,
+	4:  allocmodel.CallFree,
+	5:  allocmodel.CallSetDevice,
+	6:  allocmodel.CallGetDevice,
+	7:  allocmodel.CallGetMemInfo,
+	16: allocmodel.CallTorchAllocate,
+	17: allocmodel.CallTorchLocalRawDelete,
+	18: allocmodel.CallTorchRawAlloc,
+	19: allocmodel.CallTorchRawAllocWithStream,
+	20: allocmodel.CallTorchRawDelete,
 }
+
+// Bits of the record's flags (enum npu_event_flag).
+const (
+	flagCtx       = 1
+	flagCtxStream = 2
+	flagCtxDevice = 4
+)
 
 // kindToOutcome maps enum npu_event_kind to the model's Outcome.
 var kindToOutcome = [...]allocmodel.Outcome{
@@ -63,6 +78,7 @@ func DecodeRecord(b []byte, ev *allocmodel.Event) error {
 	if kind == 0 || int(kind) >= len(kindToOutcome) {
 		return fmt.Errorf("record with unknown kind %d", kind)
 	}
+	flags := b[offFlags]
 	*ev = allocmodel.Event{
 		Seq:     le.Uint64(b[offSeq:]),
 		MonoNs:  int64(le.Uint64(b[offKtime:])),
@@ -75,6 +91,15 @@ func DecodeRecord(b []byte, ev *allocmodel.Event) error {
 		Call:    fnToCall[fn],
 		Outcome: kindToOutcome[kind],
 		RC:      int32(le.Uint32(b[offRC:])),
+	}
+	if flags&flagCtx != 0 {
+		ev.Ctx = allocmodel.Context{Valid: true, Size: le.Uint64(b[offCtxSize:])}
+	}
+	if flags&flagCtxStream != 0 {
+		ev.Ctx.Stream, ev.Ctx.HasStream = le.Uint64(b[offCtxStream:]), true
+	}
+	if flags&flagCtxDevice != 0 {
+		ev.Ctx.Device, ev.Ctx.HasDevice = int(int32(le.Uint32(b[offCtxDevice:]))), true
 	}
 	return nil
 }

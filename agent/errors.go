@@ -8,6 +8,7 @@ var (
 	ErrNoRuntime     = errors.New("no CANN runtime mapped")
 	ErrPrivilege     = errors.New("not enough privilege")
 	ErrKernelFeature = errors.New("kernel feature missing")
+	ErrNoSymbols     = errors.New("symbols not found")
 )
 
 // Error is a problem a user can meet and fix. Its message is one line:

@@ -15,6 +15,8 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path"
+	"strings"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -59,6 +61,58 @@ var runtimeProbes = []probeSpec{
 
 // Without these two there is nothing to trace.
 var requiredSymbols = []string{"aclrtMalloc", "aclrtFree"}
+
+// torchProbe names the BPF programs attached to one torch_npu function.
+// These are hidden symbols (torch_npu builds with -fvisibility=hidden):
+// resolvable only from .symtab or a debug file.
+type torchProbe struct {
+	what     string   // for messages
+	names    []string // mangled names; the first one found is used
+	entry    string
+	ret      string
+	required bool // without it there is no tensor level
+}
+
+// torchProbes are the entry points of torch_npu's caching allocator that
+// every allocation and free passes through whatever the compiler inlined:
+// allocate is virtual (libtorch calls it through c10::Allocator), and
+// local_raw_delete is stored as a function pointer in every DataPtr.
+// NpuCachingAllocator::malloc is called directly and may be inlined, so it
+// only lends the stream and device it carries; it never decides whether an
+// allocation is seen.
+var torchProbes = []torchProbe{
+	{"NpuCachingAllocator::allocate", []string{
+		"_ZN7c10_npu19NPUCachingAllocator19NpuCachingAllocator8allocateEm",
+		"_ZNK7c10_npu19NPUCachingAllocator19NpuCachingAllocator8allocateEm", // const before torch_npu 2.3
+	}, bpf.NpuprobeProgUprobeTorchAllocate, bpf.NpuprobeProgUretprobeTorchAllocate, true},
+	{"local_raw_delete", []string{"_ZN7c10_npu19NPUCachingAllocator16local_raw_deleteEPv"},
+		bpf.NpuprobeProgUprobeTorchLocalRawDelete, "", true},
+	{"NpuCachingAllocator::raw_alloc", []string{"_ZN7c10_npu19NPUCachingAllocator19NpuCachingAllocator9raw_allocEm"},
+		bpf.NpuprobeProgUprobeTorchRawAlloc, bpf.NpuprobeProgUretprobeTorchRawAlloc, false},
+	{"NpuCachingAllocator::raw_alloc_with_stream", []string{"_ZN7c10_npu19NPUCachingAllocator19NpuCachingAllocator21raw_alloc_with_streamEmPv"},
+		bpf.NpuprobeProgUprobeTorchRawAllocWithStream, bpf.NpuprobeProgUretprobeTorchRawAllocWithStream, false},
+	{"NpuCachingAllocator::raw_delete", []string{"_ZN7c10_npu19NPUCachingAllocator19NpuCachingAllocator10raw_deleteEPv"},
+		bpf.NpuprobeProgUprobeTorchRawDelete, "", false},
+	{"NpuCachingAllocator::malloc", []string{"_ZN7c10_npu19NPUCachingAllocator19NpuCachingAllocator6mallocEPPvimS2_"},
+		bpf.NpuprobeProgUprobeTorchMalloc, bpf.NpuprobeProgUretprobeTorchMalloc, false},
+}
+
+// Level is the level of detail asked for.
+type Level int
+
+const (
+	LevelAuto    Level = iota // tensor when torch_npu's symbols resolve, else segment
+	LevelSegment              // runtime calls only
+	LevelTensor               // tensor level or fail
+)
+
+// AttachOptions configure Attach.
+type AttachOptions struct {
+	Level Level
+	// DebugDirs are searched for debug files (build-id and debuglink
+	// layouts) before /usr/lib/debug.
+	DebugDirs []string
+}
 
 // Tracer owns the loaded BPF objects and the ring buffer reader.
 type Tracer struct {
@@ -135,6 +189,14 @@ func (t *Tracer) Close() error {
 type Target struct {
 	PID  int
 	Name string // comm
+	// Level is what was attached: allocmodel.LevelTensor when torch_npu's
+	// allocator is probed too.
+	Level allocmodel.Level
+	// TensorUnavailable says, in one line, why tensor level was not
+	// attached and how to get it; empty at tensor level.
+	TensorUnavailable string
+	// TorchSymbols says where torch_npu's hidden symbols came from.
+	TorchSymbols string
 	// Attached lists each probed symbol with the file (as the target
 	// sees it) it was attached in.
 	Attached map[string]string
@@ -146,8 +208,9 @@ type Target struct {
 }
 
 // Attach starts tracing pid: it adds the process to the BPF filter and
-// attaches the runtime probes where the process binds them.
-func (t *Tracer) Attach(pid int) (*Target, error) {
+// attaches the runtime probes where the process binds them, then, as the
+// options ask, torch_npu's caching-allocator probes.
+func (t *Tracer) Attach(pid int, opts AttachOptions) (*Target, error) {
 	st, err := checkProcess(pid)
 	if err != nil {
 		return nil, err
@@ -182,40 +245,133 @@ func (t *Tracer) Attach(pid int) (*Target, error) {
 		return nil, fmt.Errorf("add process %d to the BPF filter: %w", pid, err)
 	}
 
-	target := &Target{PID: pid, Name: st.Name, Attached: make(map[string]string), AlsoDefined: make(map[string][]string)}
+	target := &Target{PID: pid, Name: st.Name, Level: allocmodel.LevelSegment,
+		Attached: make(map[string]string), AlsoDefined: make(map[string][]string)}
 	for _, p := range runtimeProbes {
 		site := sites[p.symbol]
 		if site == nil {
 			target.Missing = append(target.Missing, p.symbol)
 			continue
 		}
-		// The uprobe API takes a path; /proc/self/fd/N names exactly the
-		// file opened (and verified) above, whatever mount namespace the
-		// target lives in.
-		exe, err := link.OpenExecutable(fmt.Sprintf("/proc/self/fd/%d", site.elf.file.Fd()))
-		if err != nil {
-			return nil, fmt.Errorf("open %s: %w", site.elf.mapping.Path, err)
-		}
-		opts := &link.UprobeOptions{Address: site.offset, PID: pid}
-		// Return probe first: a call entering between the two attaches is
-		// then seen returning without an entry (counted), instead of leaving
-		// an entry that never returns.
-		if p.ret != "" {
-			if err := t.attachOne(exe, p.symbol, p.ret, opts, true); err != nil {
-				return nil, err
-			}
-		}
-		if p.entry != "" {
-			if err := t.attachOne(exe, p.symbol, p.entry, opts, false); err != nil {
-				return nil, err
-			}
+		if err := t.attachAt(site.elf.file, p.symbol, site.offset, pid, p.entry, p.ret); err != nil {
+			return nil, err
 		}
 		target.Attached[p.symbol] = site.elf.mapping.Path
 		if len(site.others) > 0 {
 			target.AlsoDefined[p.symbol] = site.others
 		}
 	}
+	if opts.Level == LevelSegment {
+		return target, nil
+	}
+	if err := t.attachTorch(pid, target, opts); err != nil {
+		return nil, err
+	}
 	return target, nil
+}
+
+// attachTorch attaches the caching-allocator probes in libtorch_npu.so when
+// its hidden symbols can be resolved. At LevelAuto an unresolvable library
+// leaves the target at segment level with TensorUnavailable saying why.
+func (t *Tracer) attachTorch(pid int, target *Target, opts AttachOptions) error {
+	unavailable := func(why string) error {
+		if opts.Level == LevelTensor {
+			return &Error{Kind: ErrNoSymbols, What: fmt.Sprintf("tensor level unavailable for process %d: %s", pid, why), Fix: symbolsFix}
+		}
+		target.TensorUnavailable = fmt.Sprintf("tensor level unavailable for process %d: %s; tracing segments only (%s)", pid, why, symbolsFix)
+		return nil
+	}
+	elfs, err := targetELFs(pid)
+	if err != nil {
+		return fmt.Errorf("read mappings of process %d: %w", pid, err)
+	}
+	var lib *mappedELF
+	for _, e := range elfs {
+		if strings.HasPrefix(path.Base(e.mapping.Path), "libtorch_npu.so") {
+			lib = e
+			break
+		}
+	}
+	if lib == nil {
+		return unavailable("no libtorch_npu.so is mapped")
+	}
+	f, err := openMappedFile(pid, lib.mapping)
+	if err != nil {
+		return unavailable(fmt.Sprintf("cannot open %s: %v", lib.mapping.Path, err))
+	}
+	defer f.Close()
+	var want []string
+	for _, p := range torchProbes {
+		want = append(want, p.names...)
+	}
+	offsets, src, tried, err := resolveHidden(pid, f, lib.mapping.Path, want, opts.DebugDirs)
+	if err != nil {
+		return unavailable(fmt.Sprintf("%s: %v", lib.mapping.Path, err))
+	}
+	type chosen struct {
+		p      torchProbe
+		name   string
+		offset uint64
+	}
+	var plan []chosen
+	for _, p := range torchProbes {
+		found := false
+		for _, n := range p.names {
+			if off, ok := offsets[n]; ok {
+				plan = append(plan, chosen{p, n, off})
+				found = true
+				break
+			}
+		}
+		if !found && p.required {
+			why := fmt.Sprintf("%s has no symbol for %s (it is stripped, and no debug file was found", lib.mapping.Path, p.what)
+			if len(tried) > 0 {
+				why += "; looked at " + strings.Join(tried, ", ")
+			}
+			return unavailable(why + ")")
+		}
+		if !found {
+			target.Missing = append(target.Missing, p.what)
+		}
+	}
+	for _, c := range plan {
+		if err := t.attachAt(f, c.p.what, c.offset, pid, c.p.entry, c.p.ret); err != nil {
+			return err
+		}
+		target.Attached[c.p.what] = lib.mapping.Path
+	}
+	target.Level = allocmodel.LevelTensor
+	target.TorchSymbols = src.String()
+	return nil
+}
+
+const symbolsFix = "tensor level needs torch_npu's hidden symbols: use an unstripped libtorch_npu.so, or install its debug file " +
+	"(torch_npu's build keeps it in build/dbg/) under /usr/lib/debug or pass --debug-dir DIR"
+
+// attachAt attaches entry and return programs at a file offset of file.
+func (t *Tracer) attachAt(file *os.File, symbol string, offset uint64, pid int, entry, ret string) error {
+	// The uprobe API takes a path; /proc/self/fd/N names exactly the file
+	// opened (and verified) by the caller, whatever mount namespace the
+	// target lives in.
+	exe, err := link.OpenExecutable(fmt.Sprintf("/proc/self/fd/%d", file.Fd()))
+	if err != nil {
+		return fmt.Errorf("open %s: %w", file.Name(), err)
+	}
+	opts := &link.UprobeOptions{Address: offset, PID: pid}
+	// Return probe first: a call entering between the two attaches is then
+	// seen returning without an entry (counted), instead of leaving an entry
+	// that never returns.
+	if ret != "" {
+		if err := t.attachOne(exe, symbol, ret, opts, true); err != nil {
+			return err
+		}
+	}
+	if entry != "" {
+		if err := t.attachOne(exe, symbol, entry, opts, false); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func (t *Tracer) attachOne(exe *link.Executable, symbol, prog string, opts *link.UprobeOptions, ret bool) error {

@@ -13,16 +13,28 @@ const (
 	CallSetDevice     Call = 5 // aclrtSetDevice
 	CallGetDevice     Call = 6 // aclrtGetDevice
 	CallGetMemInfo    Call = 7 // aclrtGetMemInfo
+
+	// torch_npu's caching allocator (tensor level).
+	CallTorchAllocate           Call = 16 // NpuCachingAllocator::allocate
+	CallTorchLocalRawDelete     Call = 17 // local_raw_delete, every tensor's deleter
+	CallTorchRawAlloc           Call = 18 // NpuCachingAllocator::raw_alloc
+	CallTorchRawAllocWithStream Call = 19 // NpuCachingAllocator::raw_alloc_with_stream
+	CallTorchRawDelete          Call = 20 // NpuCachingAllocator::raw_delete
 )
 
 var callNames = [...]string{
-	CallMalloc:        "aclrtMalloc",
-	CallMallocAlign32: "aclrtMallocAlign32",
-	CallMallocCached:  "aclrtMallocCached",
-	CallFree:          "aclrtFree",
-	CallSetDevice:     "aclrtSetDevice",
-	CallGetDevice:     "aclrtGetDevice",
-	CallGetMemInfo:    "aclrtGetMemInfo",
+	CallMalloc:                  "aclrtMalloc",
+	CallMallocAlign32:           "aclrtMallocAlign32",
+	CallMallocCached:            "aclrtMallocCached",
+	CallFree:                    "aclrtFree",
+	CallSetDevice:               "aclrtSetDevice",
+	CallGetDevice:               "aclrtGetDevice",
+	CallGetMemInfo:              "aclrtGetMemInfo",
+	CallTorchAllocate:           "NpuCachingAllocator::allocate",
+	CallTorchLocalRawDelete:     "local_raw_delete",
+	CallTorchRawAlloc:           "NpuCachingAllocator::raw_alloc",
+	CallTorchRawAllocWithStream: "NpuCachingAllocator::raw_alloc_with_stream",
+	CallTorchRawDelete:          "NpuCachingAllocator::raw_delete",
 }
 
 func (c Call) String() string {
@@ -35,6 +47,17 @@ func (c Call) String() string {
 // IsMalloc reports whether c obtains device memory from the runtime.
 func (c Call) IsMalloc() bool {
 	return c == CallMalloc || c == CallMallocAlign32 || c == CallMallocCached
+}
+
+// IsTensorAlloc reports whether c hands a block of the caching allocator
+// to its caller.
+func (c Call) IsTensorAlloc() bool {
+	return c == CallTorchAllocate || c == CallTorchRawAlloc || c == CallTorchRawAllocWithStream
+}
+
+// IsTensorFree reports whether c returns a block to the caching allocator.
+func (c Call) IsTensorFree() bool {
+	return c == CallTorchLocalRawDelete || c == CallTorchRawDelete
 }
 
 // Outcome says at which point of a call an Event was recorded and how the
@@ -59,11 +82,14 @@ const (
 //
 // Field meaning per Call (others are zero):
 //
-//	mallocs:       Addr = returned device pointer (Outcome Returned only), Size = requested size, Arg = policy
-//	CallFree:      Addr = pointer being freed
-//	CallSetDevice: Arg = device
-//	CallGetDevice: Arg = device
-//	CallGetMemInfo: Arg = attr, Addr = free bytes, Size = total bytes
+//	runtime mallocs:   Addr = returned device pointer (Outcome Returned only), Size = requested size, Arg = policy
+//	CallFree:          Addr = pointer being freed
+//	CallSetDevice:     Arg = device
+//	CallGetDevice:     Arg = device
+//	CallGetMemInfo:    Arg = attr, Addr = free bytes, Size = total bytes
+//	torch allocations: Addr = block pointer (0 for a zero-size request), Size = requested size,
+//	                   Arg = DataPtr device (type<<8 | index; allocate only)
+//	torch frees:       Addr = block pointer
 type Event struct {
 	Seq     uint64 // per-CPU sequence number
 	MonoNs  int64  // CLOCK_MONOTONIC when recorded
@@ -76,4 +102,19 @@ type Event struct {
 	Call    Call
 	Outcome Outcome
 	RC      int32
+	// Ctx describes the torch_npu allocation a runtime call was made for,
+	// or, on a torch allocation, the stream and device it used.
+	Ctx Context
 }
+
+// Context is what the BPF side knew about the caching-allocator call
+// enclosing an event.
+type Context struct {
+	Valid     bool   // the event happened inside a torch_npu allocation
+	Size      uint64 // that allocation's requested size
+	HasStream bool
+	Stream    uint64
+	HasDevice bool
+	Device    int
+}
+

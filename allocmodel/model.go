@@ -1,5 +1,5 @@
 // Package allocmodel rebuilds a torch_npu process's device-memory state
-// (segments, blocks, per-device trace rings) from the runtime calls npuprobe
+// (segments, blocks, per-device trace rings) from the calls npuprobe
 // observes. It is pure Go: no BPF, no system calls, no clocks.
 //
 // Invariants:
@@ -8,11 +8,12 @@
 //     order, which is the order memory_viz replays them in.
 //   - Each trace entry goes to the ring of the device the event is
 //     attributed to; rings never share entries.
-//   - Live segments are keyed by base address; an allocation at a live base
-//     (a free was lost) replaces the old segment and is counted, never
-//     silently merged.
+//   - Blocks tile their segment exactly, in address order, at every step.
+//   - The model never emits an entry memory_viz could not place: a tensor
+//     event for memory the model does not know (allocated before attach) is
+//     counted, not recorded.
 //   - What the model infers rather than observes is counted in Counters and
-//     labelled in the snapshot (see Level).
+//     labelled in the snapshot (see Level and the README).
 //   - Snapshot returns a deep copy: segments sorted by (device, address),
 //     blocks tiling each segment, rings read oldest to newest.
 package allocmodel
@@ -30,7 +31,8 @@ const (
 	// inside a segment is unknown, so each segment is reported as one
 	// inactive block of its full size.
 	LevelSegment Level = iota + 1
-	// LevelTensor: the caching allocator's entry points are observed too.
+	// LevelTensor: the caching allocator's entry points are observed too,
+	// and the model splits and merges blocks by torch_npu's rules.
 	LevelTensor
 )
 
@@ -78,18 +80,17 @@ func (s BlockState) String() string {
 	return "inactive"
 }
 
-// Torch's small-pool segment size (kSmallBuffer). At segment level a segment
-// of exactly this size is taken to belong to the small pool: large-pool
-// segments are 20 MiB, or multiples of 2 MiB of at least 10 MiB.
-const smallSegmentSize = 2 << 20
-
 // Config holds the model's settings.
 type Config struct {
+	// Level is what the agent attached; the zero value means LevelSegment.
+	Level Level
 	// MaxEntries caps each device's trace ring; 0 keeps every entry.
 	MaxEntries int
 	// DefaultDevice is the device of threads whose device the model never
 	// saw (set before attach): runtime allocation calls carry no device.
 	DefaultDevice int
+	// Alloc is the target's allocator configuration (tensor level).
+	Alloc AllocConf
 }
 
 // Segment is a range of device memory obtained from the runtime.
@@ -117,10 +118,11 @@ type Block struct {
 type Counters struct {
 	Events uint64 // events applied
 	// SegmentFreesUnknown counts frees of segments the model never saw
-	// allocated (allocated before attach). Their segment_free entries carry
-	// size 0: the size is not knowable from the free call.
+	// allocated (allocated before attach). At segment level their
+	// segment_free entries carry size 0: the size is not knowable from the
+	// free call. At tensor level they are not recorded.
 	SegmentFreesUnknown uint64
-	FreesOfNull         uint64 // aclrtFree(NULL): no entry, the runtime rejects it
+	FreesOfNull         uint64 // aclrtFree(NULL) or a null tensor deleter: nothing freed
 	// AllocsOverLive counts allocations returning the base of a segment the
 	// model still held live: the matching free was lost.
 	AllocsOverLive uint64
@@ -130,28 +132,85 @@ type Counters struct {
 	// from earlier aclrtGetMemInfo results, because the process did not
 	// query free memory right after the failure as torch_npu does.
 	OOMFreeInferred uint64
+
+	// Tensor level.
+
+	// FreesOfUnknownBlocks counts tensor frees of blocks the model does not
+	// know: tensors allocated before attach. No entry is recorded.
+	FreesOfUnknownBlocks uint64
+	// AllocsUnplaceable counts tensor allocations in memory outside every
+	// known segment (segments obtained before attach). No entry is recorded.
+	AllocsUnplaceable uint64
+	// AllocsOverLiveBlock counts allocations of a block the model held
+	// allocated: its free was lost.
+	AllocsOverLiveBlock uint64
+	// OutOfOrderSplits counts allocations inside a free block rather than at
+	// its start: another thread's allocation that split it was recorded
+	// later (it returned later), or the model's split rules disagreed.
+	OutOfOrderSplits uint64
+	// BlockSplitsRepaired counts allocated blocks the model had to split
+	// after the fact because torch split them when the model did not.
+	BlockSplitsRepaired uint64
+	// SegmentsFreedWithLiveBlocks counts segments returned to the runtime
+	// while the model held blocks in them allocated.
+	SegmentsFreedWithLiveBlocks uint64
+	// RuntimeAllocsOutside counts runtime allocations made outside the
+	// caching allocator (workspace, communication libraries, direct runtime
+	// users): not part of a torch snapshot.
+	RuntimeAllocsOutside uint64
 }
 
 // Stats is a cheap summary for status lines and metrics.
 type Stats struct {
-	Events        uint64
-	LiveSegments  int
-	ReservedBytes uint64
+	Events         uint64
+	LiveSegments   int
+	ReservedBytes  uint64
+	AllocatedBytes uint64
+}
+
+// DeviceStats is one device's share of Stats.
+type DeviceStats struct {
+	ReservedBytes  uint64
+	AllocatedBytes uint64
+	ActiveBytes    uint64
+}
+
+type block struct {
+	addr, size uint64
+	requested  uint64
+	allocated  bool
+	seg        *segment
+	prev, next *block
+}
+
+type segment struct {
+	device int
+	addr   uint64
+	size   uint64
+	stream uint64
+	small  bool
+	head   *block
 }
 
 type threadState struct {
 	device      int
 	deviceKnown bool
-	// An oom entry waiting for the free-bytes figure of the aclrtGetMemInfo
-	// call torch_npu makes right after a failed allocation.
+	// Segment level: an oom entry waiting for the free-bytes figure of the
+	// aclrtGetMemInfo call torch_npu makes right after a failed allocation.
 	oomPending bool
 	oomDevice  int
 	oomEntry   uint64 // absolute ring index
+	// Tensor level: a runtime allocation failed for lack of memory inside
+	// the current caching-allocator call, so its next aclrtGetMemInfo is
+	// the out-of-memory report.
+	allocFailed bool
 }
 
 type deviceState struct {
-	ring     *Ring
-	reserved uint64
+	ring      *Ring
+	reserved  uint64
+	allocated uint64 // tensor level
+	active    uint64 // tensor level
 	// Last aclrtGetMemInfo result on this device, and the bytes reserved
 	// then, to estimate free memory at an OOM that is not followed by one.
 	memInfoKnown    bool
@@ -162,41 +221,65 @@ type deviceState struct {
 // Model is the rebuilt allocator state of one process.
 type Model struct {
 	cfg      Config
-	level    Level
-	segments map[uint64]*Segment
+	segments map[uint64]*segment
+	blocks   map[uint64]*block // tensor level: every block by address
+	outside  map[uint64]uint64 // tensor level: runtime allocations outside the allocator
 	devices  []*deviceState
 	threads  map[uint32]*threadState
 	pools    []PoolID
 	counters Counters
 }
 
-// New returns an empty model at segment level.
+// New returns an empty model.
 func New(cfg Config) *Model {
 	if cfg.DefaultDevice < 0 {
 		cfg.DefaultDevice = 0
 	}
+	if cfg.Level == 0 {
+		cfg.Level = LevelSegment
+	}
+	if cfg.Alloc.Pad == 0 && cfg.Alloc.MaxSplitSize == 0 {
+		cfg.Alloc = DefaultAllocConf()
+	}
 	return &Model{
 		cfg:      cfg,
-		level:    LevelSegment,
-		segments: make(map[uint64]*Segment),
+		segments: make(map[uint64]*segment),
+		blocks:   make(map[uint64]*block),
+		outside:  make(map[uint64]uint64),
 		threads:  make(map[uint32]*threadState),
 		pools:    []PoolID{{0, 0}},
 	}
 }
 
 // Level reports what the model can see.
-func (m *Model) Level() Level { return m.level }
+func (m *Model) Level() Level { return m.cfg.Level }
+
+// Counters returns the counters so far.
+func (m *Model) Counters() Counters { return m.counters }
 
 // Stats summarises the model.
 func (m *Model) Stats() Stats {
 	s := Stats{Events: m.counters.Events, LiveSegments: len(m.segments)}
 	for _, d := range m.devices {
 		s.ReservedBytes += d.reserved
+		s.AllocatedBytes += d.allocated
 	}
 	return s
 }
 
+// DeviceStats returns per-device byte counts, indexed by device.
+func (m *Model) DeviceStats() []DeviceStats {
+	out := make([]DeviceStats, len(m.devices))
+	for i, d := range m.devices {
+		out[i] = DeviceStats{ReservedBytes: d.reserved, AllocatedBytes: d.allocated, ActiveBytes: d.active}
+	}
+	return out
+}
+
 func (m *Model) device(d int) *deviceState {
+	if d < 0 {
+		d = m.cfg.DefaultDevice
+	}
 	for len(m.devices) <= d {
 		m.devices = append(m.devices, &deviceState{ring: NewRing(m.cfg.MaxEntries)})
 	}
@@ -212,19 +295,28 @@ func (m *Model) thread(tid uint32) *threadState {
 	return t
 }
 
+func (m *Model) record(dev int, e TraceEntry) uint64 {
+	return m.device(dev).ring.Append(e)
+}
+
 // Apply updates the model with one event.
 func (m *Model) Apply(ev *Event) {
 	m.counters.Events++
 	t := m.thread(ev.Tid)
 
-	// The OOM's free-bytes query, if any, is the thread's very next call.
+	// Segment level: the OOM's free-bytes query, if any, is the thread's
+	// very next call.
 	if t.oomPending && !(ev.Call == CallGetMemInfo && ev.Outcome == OutcomeReturned) {
 		m.inferOOMFree(t)
 	}
 
 	switch {
 	case ev.Call.IsMalloc():
-		m.applyMalloc(t, ev)
+		if m.cfg.Level == LevelTensor {
+			m.applyTensorLevelMalloc(t, ev)
+		} else {
+			m.applyMalloc(t, ev)
+		}
 	case ev.Call == CallFree:
 		m.applyFree(t, ev)
 	case ev.Call == CallSetDevice || ev.Call == CallGetDevice:
@@ -235,36 +327,89 @@ func (m *Model) Apply(ev *Event) {
 		}
 	case ev.Call == CallGetMemInfo:
 		m.applyMemInfo(t, ev)
+	case ev.Call.IsTensorAlloc():
+		m.applyTensorAlloc(t, ev)
+	case ev.Call.IsTensorFree():
+		m.applyTensorFree(ev)
 	}
+}
+
+// newSegment adds a segment of one free block.
+func (m *Model) newSegment(dev int, addr, size, stream uint64, small bool) *segment {
+	if old := m.segments[addr]; old != nil {
+		m.counters.AllocsOverLive++
+		m.dropSegment(old)
+	}
+	seg := &segment{device: dev, addr: addr, size: size, stream: stream, small: small}
+	seg.head = &block{addr: addr, size: size, seg: seg}
+	m.segments[addr] = seg
+	if m.cfg.Level == LevelTensor {
+		m.blocks[addr] = seg.head
+	}
+	m.device(dev).reserved += size
+	return seg
+}
+
+// dropSegment forgets a segment and its blocks.
+func (m *Model) dropSegment(seg *segment) {
+	d := m.device(seg.device)
+	d.reserved -= seg.size
+	for b := seg.head; b != nil; b = b.next {
+		if m.blocks[b.addr] == b {
+			delete(m.blocks, b.addr)
+		}
+		if b.allocated {
+			d.allocated -= b.size
+			d.active -= b.size
+		}
+	}
+	delete(m.segments, seg.addr)
 }
 
 func (m *Model) applyMalloc(t *threadState, ev *Event) {
 	switch ev.Outcome {
 	case OutcomeReturned:
-		dev := t.device
-		if old := m.segments[ev.Addr]; old != nil {
-			m.counters.AllocsOverLive++
-			m.device(old.Device).reserved -= old.TotalSize
-		}
-		seg := &Segment{
-			Device:    dev,
-			Address:   ev.Addr,
-			TotalSize: ev.Size,
-			Type:      SegmentLarge,
-		}
-		if ev.Size == smallSegmentSize {
-			seg.Type = SegmentSmall
-		}
-		seg.Blocks = []Block{{Address: ev.Addr, Size: ev.Size, State: BlockInactive}}
-		m.segments[ev.Addr] = seg
-		d := m.device(dev)
-		d.reserved += ev.Size
-		d.ring.Append(TraceEntry{MonoNs: ev.MonoNs, Action: ActionSegmentAlloc, Addr: ev.Addr, Size: ev.Size})
+		// torch_npu's small-pool segments are exactly kSmallBuffer; large
+		// ones are 20 MiB or multiples of 2 MiB of at least 10 MiB.
+		seg := m.newSegment(t.device, ev.Addr, ev.Size, 0, ev.Size == smallBuffer)
+		m.record(seg.device, TraceEntry{MonoNs: ev.MonoNs, Action: ActionSegmentAlloc, Addr: ev.Addr, Size: ev.Size})
 	case OutcomeOOM:
 		m.counters.OOMs++
-		d := m.device(t.device)
-		abs := d.ring.Append(TraceEntry{MonoNs: ev.MonoNs, Action: ActionOOM, Size: ev.Size})
+		abs := m.record(t.device, TraceEntry{MonoNs: ev.MonoNs, Action: ActionOOM, Size: ev.Size})
 		t.oomPending, t.oomDevice, t.oomEntry = true, t.device, abs
+	default:
+		m.counters.FailedCalls++
+	}
+}
+
+// applyTensorLevelMalloc handles a runtime allocation when the caching
+// allocator's own calls are observed too.
+func (m *Model) applyTensorLevelMalloc(t *threadState, ev *Event) {
+	switch {
+	case !ev.Ctx.Valid:
+		// Not made by the caching allocator: torch's snapshot does not show it.
+		if ev.Outcome == OutcomeReturned {
+			m.counters.RuntimeAllocsOutside++
+			m.outside[ev.Addr] = ev.Size
+		} else {
+			m.counters.FailedCalls++
+		}
+	case ev.Outcome == OutcomeReturned:
+		dev := t.device
+		if ev.Ctx.HasDevice {
+			dev = ev.Ctx.Device
+		}
+		var stream uint64
+		if ev.Ctx.HasStream {
+			stream = ev.Ctx.Stream
+		}
+		small := isSmallRequest(m.cfg.Alloc.RoundSize(ev.Ctx.Size))
+		seg := m.newSegment(dev, ev.Addr, ev.Size, stream, small)
+		m.record(seg.device, TraceEntry{MonoNs: ev.MonoNs, Action: ActionSegmentAlloc, Addr: ev.Addr, Size: ev.Size, Stream: stream})
+	case ev.Outcome == OutcomeOOM:
+		// torch_npu now frees its cache and retries; the oom entry comes
+		// only if that fails too, after it asks for free memory.
+		t.allocFailed = true
 	default:
 		m.counters.FailedCalls++
 	}
@@ -277,14 +422,24 @@ func (m *Model) applyFree(t *threadState, ev *Event) {
 	}
 	seg := m.segments[ev.Addr]
 	if seg == nil {
+		if _, ok := m.outside[ev.Addr]; ok {
+			delete(m.outside, ev.Addr)
+			return
+		}
 		m.counters.SegmentFreesUnknown++
-		m.device(t.device).ring.Append(TraceEntry{MonoNs: ev.MonoNs, Action: ActionSegmentFree, Addr: ev.Addr})
+		if m.cfg.Level == LevelSegment {
+			m.record(t.device, TraceEntry{MonoNs: ev.MonoNs, Action: ActionSegmentFree, Addr: ev.Addr})
+		}
 		return
 	}
-	delete(m.segments, ev.Addr)
-	d := m.device(seg.Device)
-	d.reserved -= seg.TotalSize
-	d.ring.Append(TraceEntry{MonoNs: ev.MonoNs, Action: ActionSegmentFree, Addr: seg.Address, Size: seg.TotalSize, Stream: seg.Stream, Pool: seg.Pool})
+	for b := seg.head; b != nil; b = b.next {
+		if b.allocated {
+			m.counters.SegmentsFreedWithLiveBlocks++
+			break
+		}
+	}
+	m.dropSegment(seg)
+	m.record(seg.device, TraceEntry{MonoNs: ev.MonoNs, Action: ActionSegmentFree, Addr: seg.addr, Size: seg.size, Stream: seg.stream})
 }
 
 func (m *Model) applyMemInfo(t *threadState, ev *Event) {
@@ -292,13 +447,30 @@ func (m *Model) applyMemInfo(t *threadState, ev *Event) {
 		m.counters.FailedCalls++
 		return
 	}
-	d := m.device(t.device)
+	dev := t.device
+	if ev.Ctx.HasDevice {
+		dev = ev.Ctx.Device
+	}
+	d := m.device(dev)
 	d.memInfoKnown, d.memInfoFree, d.memInfoReserved = true, ev.Addr, d.reserved
 	if t.oomPending {
 		t.oomPending = false
 		if e := m.device(t.oomDevice).ring.At(t.oomEntry); e != nil {
 			e.Addr = ev.Addr
 		}
+	}
+	if m.cfg.Level == LevelTensor && ev.Ctx.Valid && t.allocFailed {
+		// The caching allocator's out-of-memory report: after its retries
+		// failed it asks for free memory, records oom with the rounded
+		// request, and throws.
+		t.allocFailed = false
+		m.counters.OOMs++
+		var stream uint64
+		if ev.Ctx.HasStream {
+			stream = ev.Ctx.Stream
+		}
+		m.record(dev, TraceEntry{MonoNs: ev.MonoNs, Action: ActionOOM, Addr: ev.Addr,
+			Size: m.cfg.Alloc.RoundSize(ev.Ctx.Size), Stream: stream})
 	}
 }
 
@@ -343,7 +515,7 @@ type Snapshot struct {
 // the model keeps waiting, so a later snapshot can carry the observed value.
 func (m *Model) Snapshot() *Snapshot {
 	s := &Snapshot{
-		Level:       m.level,
+		Level:       m.cfg.Level,
 		Segments:    make([]Segment, 0, len(m.segments)),
 		Traces:      make([][]TraceEntry, len(m.devices)),
 		Pools:       append([]PoolID(nil), m.pools...),
@@ -352,8 +524,17 @@ func (m *Model) Snapshot() *Snapshot {
 		Counters:    m.counters,
 	}
 	for _, seg := range m.segments {
-		c := *seg
-		c.Blocks = append([]Block(nil), seg.Blocks...)
+		c := Segment{Device: seg.device, Address: seg.addr, TotalSize: seg.size, Stream: seg.stream, Type: SegmentLarge}
+		if seg.small {
+			c.Type = SegmentSmall
+		}
+		for b := seg.head; b != nil; b = b.next {
+			st := BlockInactive
+			if b.allocated {
+				st = BlockActiveAllocated
+			}
+			c.Blocks = append(c.Blocks, Block{Address: b.addr, Size: b.size, RequestedSize: b.requested, State: st})
+		}
 		s.Segments = append(s.Segments, c)
 	}
 	sort.Slice(s.Segments, func(i, j int) bool {

@@ -37,26 +37,51 @@ enum npu_fn {
 	NPU_FN_SET_DEVICE = 5,     /* aclrtSetDevice(int32_t deviceId) */
 	NPU_FN_GET_DEVICE = 6,     /* aclrtGetDevice(int32_t *deviceId) */
 	NPU_FN_GET_MEM_INFO = 7,   /* aclrtGetMemInfo(aclrtMemAttr attr, size_t *free, size_t *total) */
+
+	/* torch_npu's caching allocator (c10_npu::NPUCachingAllocator), tensor level. */
+	NPU_FN_TORCH_ALLOCATE = 16,          /* DataPtr NpuCachingAllocator::allocate(size_t) [sret] */
+	NPU_FN_TORCH_LOCAL_RAW_DELETE = 17,  /* void local_raw_delete(void *ptr): every tensor's deleter */
+	NPU_FN_TORCH_RAW_ALLOC = 18,         /* void *NpuCachingAllocator::raw_alloc(size_t) */
+	NPU_FN_TORCH_RAW_ALLOC_STREAM = 19,  /* void *NpuCachingAllocator::raw_alloc_with_stream(size_t, aclrtStream) */
+	NPU_FN_TORCH_RAW_DELETE = 20,        /* void NpuCachingAllocator::raw_delete(void *) */
+	NPU_FN_TORCH_MALLOC = 21,            /* void NpuCachingAllocator::malloc(void **, int device, size_t, aclrtStream) */
 };
 
 /* What a record reports about the call. */
 enum npu_event_kind {
 	NPU_EV_ENTRY = 1,   /* recorded at function entry (frees) */
-	NPU_EV_RETURN = 2,  /* returned ACL_SUCCESS; outputs are valid */
+	NPU_EV_RETURN = 2,  /* returned ACL_SUCCESS (or a torch call returned); outputs are valid */
 	NPU_EV_FAILED = 3,  /* returned another error code (rc) */
 	NPU_EV_OOM = 4,     /* an allocation returned ACL_ERROR_RT_MEMORY_ALLOCATION */
+};
+
+/* Flags in the record's flags field. */
+enum npu_event_flag {
+	/* ctx_* hold the torch_npu allocation this runtime call was made for:
+	 * the calling thread was inside the caching allocator. */
+	NPU_EVF_CTX = 1,
+	/* ctx_stream holds a stream (the enclosing call carried one). */
+	NPU_EVF_CTX_STREAM = 2,
+	/* ctx_device holds a device. */
+	NPU_EVF_CTX_DEVICE = 4,
 };
 
 #define ACL_ERROR_RT_MEMORY_ALLOCATION 207001
 
 /*
- * One record, 64 bytes, the same layout on amd64 and arm64. Field meaning per
+ * One record, 80 bytes, the same layout on amd64 and arm64. Field meaning per
  * fn (all others zero):
- *   mallocs:      addr = *devPtr (0 unless NPU_EV_RETURN), size, arg = policy
- *   free:         addr = devPtr
- *   set device:   arg = deviceId
- *   get device:   arg = *deviceId
- *   get mem info: arg = attr, addr = *free, size = *total
+ *   runtime mallocs:  addr = *devPtr (0 unless NPU_EV_RETURN), size, arg = policy
+ *   aclrtFree:        addr = devPtr
+ *   set device:       arg = deviceId
+ *   get device:       arg = *deviceId
+ *   get mem info:     arg = attr, addr = *free, size = *total
+ *   torch allocate:   addr = DataPtr data, size, arg = DataPtr device type << 8 | index
+ *   torch raw_alloc*: addr = returned pointer, size
+ *   torch deletes:    addr = pointer
+ * Runtime mallocs, get mem info and torch allocations also carry ctx_* when
+ * flags says so (see enum npu_event_flag); torch allocations take the
+ * stream and device of the NpuCachingAllocator::malloc they made.
  */
 struct npu_event {
 	__u64 seq;      /* per-CPU sequence number, see above */
@@ -64,15 +89,19 @@ struct npu_event {
 	__u64 addr;
 	__u64 size;
 	__u64 arg;
-	__u64 aux;      /* reserved for probes that need a fourth value */
+	__u64 ctx_stream;
+	__u64 ctx_size;
 	__u32 tgid;
 	__u32 tid;
+	__s32 rc;       /* aclError; 0 for NPU_EV_ENTRY */
+	__s32 ctx_device;
+	__u16 cpu;
 	__u8 fn;        /* enum npu_fn */
 	__u8 kind;      /* enum npu_event_kind */
-	__u16 cpu;
-	__s32 rc;       /* aclError; 0 for NPU_EV_ENTRY */
+	__u8 flags;     /* enum npu_event_flag */
+	__u8 pad[3];
 };
-_Static_assert(sizeof(struct npu_event) == 64, "npu_event is part of the user-space ABI");
+_Static_assert(sizeof(struct npu_event) == 80, "npu_event is part of the user-space ABI");
 
 /*
  * Per-CPU counters. Kept per CPU so the hot path never contends on a shared
@@ -130,6 +159,25 @@ struct {
 	__type(value, __u32);
 } traced_tgids SEC(".maps");
 
+/*
+ * The last NpuCachingAllocator::malloc each thread completed: its stream and
+ * device, for the allocate/raw_alloc that made it, which carries neither.
+ * LRU for the same reason as pending.
+ */
+struct last_malloc {
+	__u64 ptr;
+	__u64 stream;
+	__s32 device;
+	__u32 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, __u64);
+	__type(value, struct last_malloc);
+} last_mallocs SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, NPU_CTR_MAX);
@@ -180,13 +228,17 @@ static __always_inline struct npu_event *reserve(__u64 pid_tgid, __u8 fn, __u8 k
 	e->addr = 0;
 	e->size = 0;
 	e->arg = 0;
-	e->aux = 0;
+	e->ctx_stream = 0;
+	e->ctx_size = 0;
 	e->tgid = pid_tgid >> 32;
 	e->tid = (__u32)pid_tgid;
+	e->rc = rc;
+	e->ctx_device = 0;
+	e->cpu = (__u16)bpf_get_smp_processor_id();
 	e->fn = fn;
 	e->kind = kind;
-	e->cpu = (__u16)bpf_get_smp_processor_id();
-	e->rc = rc;
+	e->flags = 0;
+	e->pad[0] = e->pad[1] = e->pad[2] = 0;
 	return e;
 }
 
@@ -235,6 +287,44 @@ static __always_inline __u32 read_user_u32(__u64 uptr)
 	return v;
 }
 
+static __always_inline struct pending_call *pending_of(__u64 pid_tgid, __u8 fn)
+{
+	struct pending_key key = {.pid_tgid = pid_tgid, .fn = fn};
+	return bpf_map_lookup_elem(&pending, &key);
+}
+
+/*
+ * Fills ctx_* from the torch_npu allocation the thread is inside, if any:
+ * the runtime call is then the caching allocator getting a segment (or,
+ * for aclrtGetMemInfo, its out-of-memory path). The innermost entry point
+ * that carries the most is preferred.
+ */
+static __always_inline void fill_ctx(struct npu_event *e, __u64 pid_tgid)
+{
+	struct pending_call *c = pending_of(pid_tgid, NPU_FN_TORCH_MALLOC);
+	if (c) { /* devPtr, device, size, stream */
+		e->ctx_device = (__s32)c->args[1];
+		e->ctx_size = c->args[2];
+		e->ctx_stream = c->args[3];
+		e->flags |= NPU_EVF_CTX | NPU_EVF_CTX_STREAM | NPU_EVF_CTX_DEVICE;
+		return;
+	}
+	c = pending_of(pid_tgid, NPU_FN_TORCH_RAW_ALLOC_STREAM);
+	if (c) { /* size, stream */
+		e->ctx_size = c->args[0];
+		e->ctx_stream = c->args[1];
+		e->flags |= NPU_EVF_CTX | NPU_EVF_CTX_STREAM;
+		return;
+	}
+	c = pending_of(pid_tgid, NPU_FN_TORCH_ALLOCATE);
+	if (!c)
+		c = pending_of(pid_tgid, NPU_FN_TORCH_RAW_ALLOC);
+	if (c) { /* allocate: sret, size; raw_alloc: size, (unused) */
+		e->ctx_size = c->args[1];
+		e->flags |= NPU_EVF_CTX;
+	}
+}
+
 /* --- device-memory allocation: aclrtMalloc, aclrtMallocAlign32, aclrtMallocCached --- */
 
 static __always_inline int malloc_entry(struct npu_regs *ctx, __u8 fn)
@@ -267,6 +357,7 @@ static __always_inline int malloc_return(struct npu_regs *ctx, __u8 fn)
 		e->addr = read_user_u64(call.args[0]);
 	e->size = call.args[1];
 	e->arg = call.args[2];
+	fill_ctx(e, pid_tgid);
 	bpf_ringbuf_submit(e, 0);
 	return 0;
 }
@@ -387,6 +478,176 @@ int uretprobe_aclrt_get_mem_info(struct npu_regs *ctx)
 		e->addr = read_user_u64(call.args[1]);
 		e->size = read_user_u64(call.args[2]);
 	}
+	fill_ctx(e, pid_tgid);
 	bpf_ringbuf_submit(e, 0);
+	return 0;
+}
+
+/* --- torch_npu's caching allocator: tensor level --- */
+
+/*
+ * A new allocation on this thread means any earlier one is over, even if
+ * it ended by a C++ exception (the OOM path throws) that skipped its
+ * uretprobe: drop its stale malloc entry so it cannot lend its context to
+ * later runtime calls.
+ */
+static __always_inline void forget_torch_malloc(__u64 pid_tgid)
+{
+	struct pending_key key = {.pid_tgid = pid_tgid, .fn = NPU_FN_TORCH_MALLOC};
+	bpf_map_delete_elem(&pending, &key);
+}
+
+/* Copies stream and device of the malloc that produced ptr on this thread. */
+static __always_inline void fill_from_last_malloc(struct npu_event *e, __u64 pid_tgid, __u64 ptr)
+{
+	struct last_malloc *m = bpf_map_lookup_elem(&last_mallocs, &pid_tgid);
+	if (!m || m->ptr != ptr)
+		return;
+	e->ctx_stream = m->stream;
+	e->ctx_device = m->device;
+	e->flags |= NPU_EVF_CTX_STREAM | NPU_EVF_CTX_DEVICE;
+	bpf_map_delete_elem(&last_mallocs, &pid_tgid);
+}
+
+/*
+ * NpuCachingAllocator::allocate(size_t) is virtual and returns a c10::DataPtr
+ * (non-trivial destructor) through a hidden result pointer. libtorch reaches
+ * it through the c10::Allocator vtable, so no caller can have it inlined.
+ */
+SEC("uprobe/torch_allocate")
+int uprobe_torch_allocate(struct npu_regs *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	if (!traced(pid_tgid))
+		return 0;
+	forget_torch_malloc(pid_tgid);
+	return save_entry(NPU_FN_TORCH_ALLOCATE, NPU_SRET(ctx), NPU_SRET_ARG(ctx, 1), 0, 0);
+}
+
+SEC("uretprobe/torch_allocate")
+int uretprobe_torch_allocate(struct npu_regs *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	if (!traced(pid_tgid))
+		return 0;
+	struct pending_call call;
+	if (take_entry(pid_tgid, NPU_FN_TORCH_ALLOCATE, &call))
+		return 0;
+	struct npu_event *e = reserve(pid_tgid, NPU_FN_TORCH_ALLOCATE, NPU_EV_RETURN, 0);
+	if (!e)
+		return 0;
+	/* DataPtr: data pointer at 0, device {int8 type, int8 index} at 24. */
+	__u64 sret = call.args[0];
+	e->addr = read_user_u64(sret);
+	__u8 dev[2] = {0, 0};
+	if (bpf_probe_read_user(dev, sizeof(dev), (const void *)(sret + 24)))
+		count(NPU_CTR_READ_FAILED);
+	e->arg = ((__u64)dev[0] << 8) | dev[1];
+	e->size = call.args[1];
+	fill_from_last_malloc(e, pid_tgid, e->addr);
+	bpf_ringbuf_submit(e, 0);
+	return 0;
+}
+
+/* Every tensor's DataPtr calls it through a stored function pointer. */
+SEC("uprobe/torch_local_raw_delete")
+int uprobe_torch_local_raw_delete(struct npu_regs *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	if (!traced(pid_tgid))
+		return 0;
+	struct npu_event *e = reserve(pid_tgid, NPU_FN_TORCH_LOCAL_RAW_DELETE, NPU_EV_ENTRY, 0);
+	if (!e)
+		return 0;
+	e->addr = NPU_ARG0(ctx);
+	bpf_ringbuf_submit(e, 0);
+	return 0;
+}
+
+static __always_inline int raw_alloc_entry(struct npu_regs *ctx, __u8 fn)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	if (!traced(pid_tgid))
+		return 0;
+	forget_torch_malloc(pid_tgid);
+	/* this, size[, stream] */
+	return save_entry(fn, NPU_ARG1(ctx), NPU_ARG2(ctx), 0, 0);
+}
+
+static __always_inline int raw_alloc_return(struct npu_regs *ctx, __u8 fn)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	if (!traced(pid_tgid))
+		return 0;
+	struct pending_call call;
+	if (take_entry(pid_tgid, fn, &call))
+		return 0;
+	struct npu_event *e = reserve(pid_tgid, fn, NPU_EV_RETURN, 0);
+	if (!e)
+		return 0;
+	e->addr = NPU_RET(ctx);
+	e->size = call.args[0];
+	if (fn == NPU_FN_TORCH_RAW_ALLOC_STREAM) {
+		e->ctx_stream = call.args[1];
+		e->flags |= NPU_EVF_CTX_STREAM;
+	}
+	fill_from_last_malloc(e, pid_tgid, e->addr);
+	bpf_ringbuf_submit(e, 0);
+	return 0;
+}
+
+SEC("uprobe/torch_raw_alloc")
+int uprobe_torch_raw_alloc(struct npu_regs *ctx) { return raw_alloc_entry(ctx, NPU_FN_TORCH_RAW_ALLOC); }
+
+SEC("uretprobe/torch_raw_alloc")
+int uretprobe_torch_raw_alloc(struct npu_regs *ctx) { return raw_alloc_return(ctx, NPU_FN_TORCH_RAW_ALLOC); }
+
+SEC("uprobe/torch_raw_alloc_with_stream")
+int uprobe_torch_raw_alloc_with_stream(struct npu_regs *ctx) { return raw_alloc_entry(ctx, NPU_FN_TORCH_RAW_ALLOC_STREAM); }
+
+SEC("uretprobe/torch_raw_alloc_with_stream")
+int uretprobe_torch_raw_alloc_with_stream(struct npu_regs *ctx) { return raw_alloc_return(ctx, NPU_FN_TORCH_RAW_ALLOC_STREAM); }
+
+SEC("uprobe/torch_raw_delete")
+int uprobe_torch_raw_delete(struct npu_regs *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	if (!traced(pid_tgid))
+		return 0;
+	struct npu_event *e = reserve(pid_tgid, NPU_FN_TORCH_RAW_DELETE, NPU_EV_ENTRY, 0);
+	if (!e)
+		return 0;
+	e->addr = NPU_ARG1(ctx); /* this, ptr */
+	bpf_ringbuf_submit(e, 0);
+	return 0;
+}
+
+/*
+ * NpuCachingAllocator::malloc is called directly and may be inlined into
+ * some callers, so it is never the source of an allocation record: it only
+ * supplies the stream and device its callers do not carry. Records nothing.
+ */
+SEC("uprobe/torch_malloc")
+int uprobe_torch_malloc(struct npu_regs *ctx)
+{
+	/* this, devPtr, device, size, stream */
+	return save_entry(NPU_FN_TORCH_MALLOC, NPU_ARG1(ctx), (__u64)(__s64)(__s32)NPU_ARG2(ctx), NPU_ARG3(ctx), NPU_ARG4(ctx));
+}
+
+SEC("uretprobe/torch_malloc")
+int uretprobe_torch_malloc(struct npu_regs *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	if (!traced(pid_tgid))
+		return 0;
+	struct pending_call call;
+	if (take_entry(pid_tgid, NPU_FN_TORCH_MALLOC, &call))
+		return 0;
+	struct last_malloc m = {
+		.ptr = read_user_u64(call.args[0]),
+		.stream = call.args[3],
+		.device = (__s32)call.args[1],
+	};
+	bpf_map_update_elem(&last_mallocs, &pid_tgid, &m, BPF_ANY);
 	return 0;
 }

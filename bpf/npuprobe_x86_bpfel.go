@@ -13,20 +13,32 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type NpuprobeLastMalloc struct {
+	_      structs.HostLayout
+	Ptr    uint64
+	Stream uint64
+	Device int32
+	Pad    uint32
+}
+
 type NpuprobeNpuEvent struct {
-	_       structs.HostLayout
-	Seq     uint64
-	KtimeNs uint64
-	Addr    uint64
-	Size    uint64
-	Arg     uint64
-	Aux     uint64
-	Tgid    uint32
-	Tid     uint32
-	Fn      uint8
-	Kind    uint8
-	Cpu     uint16
-	Rc      int32
+	_         structs.HostLayout
+	Seq       uint64
+	KtimeNs   uint64
+	Addr      uint64
+	Size      uint64
+	Arg       uint64
+	CtxStream uint64
+	CtxSize   uint64
+	Tgid      uint32
+	Tid       uint32
+	Rc        int32
+	CtxDevice int32
+	Cpu       uint16
+	Fn        uint8
+	Kind      uint8
+	Flags     uint8
+	Pad       [3]uint8
 }
 
 type NpuprobePendingCall struct {
@@ -45,24 +57,35 @@ type NpuprobePendingKey struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	NpuprobeMapCounters                     = "counters"
-	NpuprobeMapEvents                       = "events"
-	NpuprobeMapPending                      = "pending"
-	NpuprobeMapTracedTgids                  = "traced_tgids"
-	NpuprobeProgUprobeAclrtFree             = "uprobe_aclrt_free"
-	NpuprobeProgUprobeAclrtGetDevice        = "uprobe_aclrt_get_device"
-	NpuprobeProgUprobeAclrtGetMemInfo       = "uprobe_aclrt_get_mem_info"
-	NpuprobeProgUprobeAclrtMalloc           = "uprobe_aclrt_malloc"
-	NpuprobeProgUprobeAclrtMallocAlign32    = "uprobe_aclrt_malloc_align32"
-	NpuprobeProgUprobeAclrtMallocCached     = "uprobe_aclrt_malloc_cached"
-	NpuprobeProgUprobeAclrtSetDevice        = "uprobe_aclrt_set_device"
-	NpuprobeProgUretprobeAclrtGetDevice     = "uretprobe_aclrt_get_device"
-	NpuprobeProgUretprobeAclrtGetMemInfo    = "uretprobe_aclrt_get_mem_info"
-	NpuprobeProgUretprobeAclrtMalloc        = "uretprobe_aclrt_malloc"
-	NpuprobeProgUretprobeAclrtMallocAlign32 = "uretprobe_aclrt_malloc_align32"
-	NpuprobeProgUretprobeAclrtMallocCached  = "uretprobe_aclrt_malloc_cached"
-	NpuprobeProgUretprobeAclrtSetDevice     = "uretprobe_aclrt_set_device"
-	NpuprobeVarNpuEventBtfAnchor            = "npu_event_btf_anchor"
+	NpuprobeMapCounters                          = "counters"
+	NpuprobeMapEvents                            = "events"
+	NpuprobeMapLastMallocs                       = "last_mallocs"
+	NpuprobeMapPending                           = "pending"
+	NpuprobeMapTracedTgids                       = "traced_tgids"
+	NpuprobeProgUprobeAclrtFree                  = "uprobe_aclrt_free"
+	NpuprobeProgUprobeAclrtGetDevice             = "uprobe_aclrt_get_device"
+	NpuprobeProgUprobeAclrtGetMemInfo            = "uprobe_aclrt_get_mem_info"
+	NpuprobeProgUprobeAclrtMalloc                = "uprobe_aclrt_malloc"
+	NpuprobeProgUprobeAclrtMallocAlign32         = "uprobe_aclrt_malloc_align32"
+	NpuprobeProgUprobeAclrtMallocCached          = "uprobe_aclrt_malloc_cached"
+	NpuprobeProgUprobeAclrtSetDevice             = "uprobe_aclrt_set_device"
+	NpuprobeProgUprobeTorchAllocate              = "uprobe_torch_allocate"
+	NpuprobeProgUprobeTorchLocalRawDelete        = "uprobe_torch_local_raw_delete"
+	NpuprobeProgUprobeTorchMalloc                = "uprobe_torch_malloc"
+	NpuprobeProgUprobeTorchRawAlloc              = "uprobe_torch_raw_alloc"
+	NpuprobeProgUprobeTorchRawAllocWithStream    = "uprobe_torch_raw_alloc_with_stream"
+	NpuprobeProgUprobeTorchRawDelete             = "uprobe_torch_raw_delete"
+	NpuprobeProgUretprobeAclrtGetDevice          = "uretprobe_aclrt_get_device"
+	NpuprobeProgUretprobeAclrtGetMemInfo         = "uretprobe_aclrt_get_mem_info"
+	NpuprobeProgUretprobeAclrtMalloc             = "uretprobe_aclrt_malloc"
+	NpuprobeProgUretprobeAclrtMallocAlign32      = "uretprobe_aclrt_malloc_align32"
+	NpuprobeProgUretprobeAclrtMallocCached       = "uretprobe_aclrt_malloc_cached"
+	NpuprobeProgUretprobeAclrtSetDevice          = "uretprobe_aclrt_set_device"
+	NpuprobeProgUretprobeTorchAllocate           = "uretprobe_torch_allocate"
+	NpuprobeProgUretprobeTorchMalloc             = "uretprobe_torch_malloc"
+	NpuprobeProgUretprobeTorchRawAlloc           = "uretprobe_torch_raw_alloc"
+	NpuprobeProgUretprobeTorchRawAllocWithStream = "uretprobe_torch_raw_alloc_with_stream"
+	NpuprobeVarNpuEventBtfAnchor                 = "npu_event_btf_anchor"
 )
 
 // LoadNpuprobe returns the embedded CollectionSpec for Npuprobe.
@@ -107,19 +130,29 @@ type NpuprobeSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type NpuprobeProgramSpecs struct {
-	UprobeAclrtFree             *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_free"`
-	UprobeAclrtGetDevice        *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_get_device"`
-	UprobeAclrtGetMemInfo       *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_get_mem_info"`
-	UprobeAclrtMalloc           *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_malloc"`
-	UprobeAclrtMallocAlign32    *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_malloc_align32"`
-	UprobeAclrtMallocCached     *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_malloc_cached"`
-	UprobeAclrtSetDevice        *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_set_device"`
-	UretprobeAclrtGetDevice     *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_get_device"`
-	UretprobeAclrtGetMemInfo    *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_get_mem_info"`
-	UretprobeAclrtMalloc        *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_malloc"`
-	UretprobeAclrtMallocAlign32 *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_malloc_align32"`
-	UretprobeAclrtMallocCached  *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_malloc_cached"`
-	UretprobeAclrtSetDevice     *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_set_device"`
+	UprobeAclrtFree                  *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_free"`
+	UprobeAclrtGetDevice             *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_get_device"`
+	UprobeAclrtGetMemInfo            *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_get_mem_info"`
+	UprobeAclrtMalloc                *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_malloc"`
+	UprobeAclrtMallocAlign32         *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_malloc_align32"`
+	UprobeAclrtMallocCached          *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_malloc_cached"`
+	UprobeAclrtSetDevice             *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_set_device"`
+	UprobeTorchAllocate              *ebpf.ProgramSpec `ebpf:"uprobe_torch_allocate"`
+	UprobeTorchLocalRawDelete        *ebpf.ProgramSpec `ebpf:"uprobe_torch_local_raw_delete"`
+	UprobeTorchMalloc                *ebpf.ProgramSpec `ebpf:"uprobe_torch_malloc"`
+	UprobeTorchRawAlloc              *ebpf.ProgramSpec `ebpf:"uprobe_torch_raw_alloc"`
+	UprobeTorchRawAllocWithStream    *ebpf.ProgramSpec `ebpf:"uprobe_torch_raw_alloc_with_stream"`
+	UprobeTorchRawDelete             *ebpf.ProgramSpec `ebpf:"uprobe_torch_raw_delete"`
+	UretprobeAclrtGetDevice          *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_get_device"`
+	UretprobeAclrtGetMemInfo         *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_get_mem_info"`
+	UretprobeAclrtMalloc             *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_malloc"`
+	UretprobeAclrtMallocAlign32      *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_malloc_align32"`
+	UretprobeAclrtMallocCached       *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_malloc_cached"`
+	UretprobeAclrtSetDevice          *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_set_device"`
+	UretprobeTorchAllocate           *ebpf.ProgramSpec `ebpf:"uretprobe_torch_allocate"`
+	UretprobeTorchMalloc             *ebpf.ProgramSpec `ebpf:"uretprobe_torch_malloc"`
+	UretprobeTorchRawAlloc           *ebpf.ProgramSpec `ebpf:"uretprobe_torch_raw_alloc"`
+	UretprobeTorchRawAllocWithStream *ebpf.ProgramSpec `ebpf:"uretprobe_torch_raw_alloc_with_stream"`
 }
 
 // NpuprobeMapSpecs contains maps before they are loaded into the kernel.
@@ -128,6 +161,7 @@ type NpuprobeProgramSpecs struct {
 type NpuprobeMapSpecs struct {
 	Counters    *ebpf.MapSpec `ebpf:"counters"`
 	Events      *ebpf.MapSpec `ebpf:"events"`
+	LastMallocs *ebpf.MapSpec `ebpf:"last_mallocs"`
 	Pending     *ebpf.MapSpec `ebpf:"pending"`
 	TracedTgids *ebpf.MapSpec `ebpf:"traced_tgids"`
 }
@@ -161,6 +195,7 @@ func (o *NpuprobeObjects) Close() error {
 type NpuprobeMaps struct {
 	Counters    *ebpf.Map `ebpf:"counters"`
 	Events      *ebpf.Map `ebpf:"events"`
+	LastMallocs *ebpf.Map `ebpf:"last_mallocs"`
 	Pending     *ebpf.Map `ebpf:"pending"`
 	TracedTgids *ebpf.Map `ebpf:"traced_tgids"`
 }
@@ -169,6 +204,7 @@ func (m *NpuprobeMaps) Close() error {
 	return _NpuprobeClose(
 		m.Counters,
 		m.Events,
+		m.LastMallocs,
 		m.Pending,
 		m.TracedTgids,
 	)
@@ -185,19 +221,29 @@ type NpuprobeVariables struct {
 //
 // It can be passed to LoadNpuprobeObjects or ebpf.CollectionSpec.LoadAndAssign.
 type NpuprobePrograms struct {
-	UprobeAclrtFree             *ebpf.Program `ebpf:"uprobe_aclrt_free"`
-	UprobeAclrtGetDevice        *ebpf.Program `ebpf:"uprobe_aclrt_get_device"`
-	UprobeAclrtGetMemInfo       *ebpf.Program `ebpf:"uprobe_aclrt_get_mem_info"`
-	UprobeAclrtMalloc           *ebpf.Program `ebpf:"uprobe_aclrt_malloc"`
-	UprobeAclrtMallocAlign32    *ebpf.Program `ebpf:"uprobe_aclrt_malloc_align32"`
-	UprobeAclrtMallocCached     *ebpf.Program `ebpf:"uprobe_aclrt_malloc_cached"`
-	UprobeAclrtSetDevice        *ebpf.Program `ebpf:"uprobe_aclrt_set_device"`
-	UretprobeAclrtGetDevice     *ebpf.Program `ebpf:"uretprobe_aclrt_get_device"`
-	UretprobeAclrtGetMemInfo    *ebpf.Program `ebpf:"uretprobe_aclrt_get_mem_info"`
-	UretprobeAclrtMalloc        *ebpf.Program `ebpf:"uretprobe_aclrt_malloc"`
-	UretprobeAclrtMallocAlign32 *ebpf.Program `ebpf:"uretprobe_aclrt_malloc_align32"`
-	UretprobeAclrtMallocCached  *ebpf.Program `ebpf:"uretprobe_aclrt_malloc_cached"`
-	UretprobeAclrtSetDevice     *ebpf.Program `ebpf:"uretprobe_aclrt_set_device"`
+	UprobeAclrtFree                  *ebpf.Program `ebpf:"uprobe_aclrt_free"`
+	UprobeAclrtGetDevice             *ebpf.Program `ebpf:"uprobe_aclrt_get_device"`
+	UprobeAclrtGetMemInfo            *ebpf.Program `ebpf:"uprobe_aclrt_get_mem_info"`
+	UprobeAclrtMalloc                *ebpf.Program `ebpf:"uprobe_aclrt_malloc"`
+	UprobeAclrtMallocAlign32         *ebpf.Program `ebpf:"uprobe_aclrt_malloc_align32"`
+	UprobeAclrtMallocCached          *ebpf.Program `ebpf:"uprobe_aclrt_malloc_cached"`
+	UprobeAclrtSetDevice             *ebpf.Program `ebpf:"uprobe_aclrt_set_device"`
+	UprobeTorchAllocate              *ebpf.Program `ebpf:"uprobe_torch_allocate"`
+	UprobeTorchLocalRawDelete        *ebpf.Program `ebpf:"uprobe_torch_local_raw_delete"`
+	UprobeTorchMalloc                *ebpf.Program `ebpf:"uprobe_torch_malloc"`
+	UprobeTorchRawAlloc              *ebpf.Program `ebpf:"uprobe_torch_raw_alloc"`
+	UprobeTorchRawAllocWithStream    *ebpf.Program `ebpf:"uprobe_torch_raw_alloc_with_stream"`
+	UprobeTorchRawDelete             *ebpf.Program `ebpf:"uprobe_torch_raw_delete"`
+	UretprobeAclrtGetDevice          *ebpf.Program `ebpf:"uretprobe_aclrt_get_device"`
+	UretprobeAclrtGetMemInfo         *ebpf.Program `ebpf:"uretprobe_aclrt_get_mem_info"`
+	UretprobeAclrtMalloc             *ebpf.Program `ebpf:"uretprobe_aclrt_malloc"`
+	UretprobeAclrtMallocAlign32      *ebpf.Program `ebpf:"uretprobe_aclrt_malloc_align32"`
+	UretprobeAclrtMallocCached       *ebpf.Program `ebpf:"uretprobe_aclrt_malloc_cached"`
+	UretprobeAclrtSetDevice          *ebpf.Program `ebpf:"uretprobe_aclrt_set_device"`
+	UretprobeTorchAllocate           *ebpf.Program `ebpf:"uretprobe_torch_allocate"`
+	UretprobeTorchMalloc             *ebpf.Program `ebpf:"uretprobe_torch_malloc"`
+	UretprobeTorchRawAlloc           *ebpf.Program `ebpf:"uretprobe_torch_raw_alloc"`
+	UretprobeTorchRawAllocWithStream *ebpf.Program `ebpf:"uretprobe_torch_raw_alloc_with_stream"`
 }
 
 func (p *NpuprobePrograms) Close() error {
@@ -209,12 +255,22 @@ func (p *NpuprobePrograms) Close() error {
 		p.UprobeAclrtMallocAlign32,
 		p.UprobeAclrtMallocCached,
 		p.UprobeAclrtSetDevice,
+		p.UprobeTorchAllocate,
+		p.UprobeTorchLocalRawDelete,
+		p.UprobeTorchMalloc,
+		p.UprobeTorchRawAlloc,
+		p.UprobeTorchRawAllocWithStream,
+		p.UprobeTorchRawDelete,
 		p.UretprobeAclrtGetDevice,
 		p.UretprobeAclrtGetMemInfo,
 		p.UretprobeAclrtMalloc,
 		p.UretprobeAclrtMallocAlign32,
 		p.UretprobeAclrtMallocCached,
 		p.UretprobeAclrtSetDevice,
+		p.UretprobeTorchAllocate,
+		p.UretprobeTorchMalloc,
+		p.UretprobeTorchRawAlloc,
+		p.UretprobeTorchRawAllocWithStream,
 	)
 }
 

@@ -74,6 +74,10 @@ func runDemo(args []string, stdout, stderr io.Writer) int {
 	s := newSession(tracer, dir, f.maxEntries, stderr)
 	s.status = status
 	s.finalName = filepath.Base(outFile)
+	if s.attach, err = f.attachOptions(); err != nil {
+		fmt.Fprintf(stderr, "npuprobe: %v\n", err)
+		return exitUsage
+	}
 	p, err := s.add(wl.pid)
 	if err != nil {
 		return fail(stderr, err)

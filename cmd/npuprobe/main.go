@@ -20,6 +20,7 @@ import (
 	"golang.org/x/term"
 
 	"github.com/npuprobe/npuprobe/agent"
+	"github.com/npuprobe/npuprobe/allocmodel"
 	"github.com/npuprobe/npuprobe/output"
 )
 
@@ -107,9 +108,29 @@ type traceFlags struct {
 	maxEntries     int
 	ringSize       int
 	statusInterval string
+	level          string
+	debugDirs      []string
+}
+
+// attachOptions turns --level and --debug-dir into agent options.
+func (f *traceFlags) attachOptions() (agent.AttachOptions, error) {
+	opts := agent.AttachOptions{DebugDirs: f.debugDirs}
+	switch f.level {
+	case "auto":
+		opts.Level = agent.LevelAuto
+	case "segment":
+		opts.Level = agent.LevelSegment
+	case "tensor":
+		opts.Level = agent.LevelTensor
+	default:
+		return opts, fmt.Errorf("--level must be auto, segment or tensor, not %q", f.level)
+	}
+	return opts, nil
 }
 
 func addCommonFlags(fs *pflag.FlagSet, f *traceFlags) {
+	fs.StringVar(&f.level, "level", "auto", "auto, segment or tensor: tensor level needs torch_npu's symbols (auto: tensor when they resolve)")
+	fs.StringSliceVar(&f.debugDirs, "debug-dir", nil, "directory with debug files (build-id or debuglink layout) for stripped libraries; repeatable")
 	fs.IntVar(&f.maxEntries, "max-entries", 1_000_000, "trace entries kept per device; the oldest are overwritten (0: keep all)")
 	fs.IntVar(&f.ringSize, "ring-size", agent.DefaultRingBufferBytes, "BPF ring buffer size in bytes (a power of two)")
 	fs.StringVar(&f.statusInterval, "status-interval", "auto", "how often to print the status line (auto: 1s on a terminal, 30s otherwise; 0 for never)")
@@ -137,6 +158,11 @@ func runTrace(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "npuprobe: %v\n", err)
 		return exitUsage
 	}
+	attach, err := f.attachOptions()
+	if err != nil {
+		fmt.Fprintf(stderr, "npuprobe: %v\n", err)
+		return exitUsage
+	}
 
 	dir, err := openOutDir(f.out)
 	if err != nil {
@@ -154,6 +180,7 @@ func runTrace(args []string, stdout, stderr io.Writer) int {
 
 	s := newSession(tracer, dir, f.maxEntries, stderr)
 	s.status = status
+	s.attach = attach
 	p, err := s.add(f.pid)
 	if err != nil {
 		return fail(stderr, err)
@@ -180,6 +207,9 @@ func openOutDir(path string) (*output.Dir, error) {
 }
 
 func reportAttach(w io.Writer, t *agent.Target) {
+	if t.TensorUnavailable != "" {
+		fmt.Fprintf(w, "npuprobe: %s\n", t.TensorUnavailable)
+	}
 	byFile := make(map[string][]string)
 	var files []string
 	for sym, file := range t.Attached {
@@ -193,6 +223,9 @@ func reportAttach(w io.Writer, t *agent.Target) {
 	}
 	if len(t.Missing) > 0 {
 		fmt.Fprintf(w, "npuprobe: not defined by the runtime, not traced: %s\n", strings.Join(t.Missing, ", "))
+	}
+	if t.Level == allocmodel.LevelTensor {
+		fmt.Fprintf(w, "npuprobe: tensor level: torch_npu's allocator symbols from %s\n", t.TorchSymbols)
 	}
 	for sym, others := range t.AlsoDefined {
 		fmt.Fprintf(w, "npuprobe: %s is also defined in %s; traced once, where the process binds it (%s)\n",

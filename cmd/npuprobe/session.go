@@ -32,6 +32,7 @@ const pollInterval = 100 * time.Millisecond
 type traced struct {
 	target *agent.Target
 	model  *allocmodel.Model
+	conf   allocmodel.AllocConf
 	exited  <-chan struct{}
 	exiting bool // its exit snapshot is requested
 }
@@ -59,6 +60,7 @@ type session struct {
 	procs      map[uint32]*traced
 	requests   chan request
 	status     *statusLine
+	attach     agent.AttachOptions
 	// finalName, if set, names the single final snapshot (the demo's
 	// --out), which replaces an existing file of that name.
 	finalName string
@@ -87,13 +89,26 @@ func (s *session) add(pid int) (*traced, error) {
 	if err != nil {
 		return nil, err
 	}
-	target, err := s.tracer.Attach(pid)
+	// The allocator configuration decides block sizes and splits; read it
+	// before attaching so a bad value is reported before any event.
+	conf := allocmodel.DefaultAllocConf()
+	if env, err := agent.ReadEnviron(pid); err != nil {
+		fmt.Fprintf(s.log, "npuprobe: cannot read the environment of process %d (%v); assuming torch_npu's default allocator configuration\n", pid, err)
+	} else if conf, err = allocmodel.AllocConfFromEnv(env); err != nil {
+		fmt.Fprintf(s.log, "npuprobe: process %d: %v; assuming torch_npu's default allocator configuration\n", pid, err)
+	}
+	target, err := s.tracer.Attach(pid, s.attach)
 	if err != nil {
 		return nil, err
 	}
 	p := &traced{
 		target: target,
-		model:  allocmodel.New(allocmodel.Config{MaxEntries: s.maxEntries}),
+		model: allocmodel.New(allocmodel.Config{
+			Level:      target.Level,
+			MaxEntries: s.maxEntries,
+			Alloc:      conf,
+		}),
+		conf:   conf,
 		exited: exited,
 	}
 	s.procs[uint32(pid)] = p
@@ -266,8 +281,23 @@ func (s *session) settings(p *traced, snap *allocmodel.Snapshot, loss agent.Loss
 		{Key: "npuprobe_level", Value: snap.Level.String()},
 	}
 	if snap.Level == allocmodel.LevelSegment {
-		st = append(st, output.Setting{Key: "npuprobe_level_note", Value: "segment level: only CANN runtime calls were observed; " +
-			"segments and their trace entries are exact, a segment's interior is not, so each segment is shown as one inactive block of its full size"})
+		note := "segment level: only CANN runtime calls were observed; " +
+			"segments and their trace entries are exact, a segment's interior is not, so each segment is shown as one inactive block of its full size"
+		if p.target.TensorUnavailable != "" {
+			note += "; " + p.target.TensorUnavailable
+		}
+		st = append(st, output.Setting{Key: "npuprobe_level_note", Value: note})
+	} else {
+		st = append(st,
+			output.Setting{Key: "npuprobe_level_note", Value: "tensor level: torch_npu's caching allocator was observed (allocate, local_raw_delete, raw_alloc/raw_delete); " +
+				"block boundaries follow its round_size/should_split/merge rules with the process's own configuration, checked against every returned pointer; " +
+				"frees deferred by stream events are not observed (free_requested and free_completed are recorded together)"},
+			output.Setting{Key: "npuprobe_symbols", Value: p.target.TorchSymbols},
+			output.Setting{Key: "npuprobe_alloc_conf", Value: []output.Setting{
+				{Key: "source", Value: p.conf.Source},
+				{Key: "value", Value: p.conf.Raw},
+			}},
+		)
 	}
 	st = append(st,
 		output.Setting{Key: "npuprobe_host", Value: s.host},
@@ -300,6 +330,13 @@ func (s *session) settings(p *traced, snap *allocmodel.Snapshot, loss agent.Loss
 			{Key: "failed_calls", Value: snap.Counters.FailedCalls},
 			{Key: "ooms", Value: snap.Counters.OOMs},
 			{Key: "oom_device_free_inferred", Value: snap.Counters.OOMFreeInferred},
+			{Key: "tensor_frees_before_attach", Value: snap.Counters.FreesOfUnknownBlocks},
+			{Key: "tensor_allocs_in_unknown_segments", Value: snap.Counters.AllocsUnplaceable},
+			{Key: "allocations_over_live_block", Value: snap.Counters.AllocsOverLiveBlock},
+			{Key: "out_of_order_splits", Value: snap.Counters.OutOfOrderSplits},
+			{Key: "block_splits_repaired", Value: snap.Counters.BlockSplitsRepaired},
+			{Key: "segments_freed_with_live_blocks", Value: snap.Counters.SegmentsFreedWithLiveBlocks},
+			{Key: "runtime_allocations_outside_allocator", Value: snap.Counters.RuntimeAllocsOutside},
 		}},
 		output.Setting{Key: "npuprobe_clock", Value: []output.Setting{
 			{Key: "event_clock", Value: "CLOCK_MONOTONIC (bpf_ktime_get_ns)"},
@@ -340,12 +377,14 @@ func sanitize(s string) string {
 func (s *session) statusText() string {
 	var events uint64
 	var segs int
-	var reserved uint64
+	var reserved, allocated, preAttachFrees uint64
 	for _, p := range s.procs {
 		st := p.model.Stats()
 		events += st.Events
 		segs += st.LiveSegments
 		reserved += st.ReservedBytes
+		allocated += st.AllocatedBytes
+		preAttachFrees += p.model.Counters().FreesOfUnknownBlocks
 	}
 	loss, _ := s.tracer.Loss()
 	who := fmt.Sprintf("%d processes", len(s.procs))
@@ -354,8 +393,11 @@ func (s *session) statusText() string {
 			who = fmt.Sprintf("pid %d (%s)", p.target.PID, p.target.Name)
 		}
 	}
-	return fmt.Sprintf("npuprobe: %s: %d events, %d live segments, %s reserved, %d dropped",
-		who, events, segs, humanBytes(reserved), loss.RingBufferFull)
+	text := fmt.Sprintf("npuprobe: %s: %d events, %d live segments, %s reserved", who, events, segs, humanBytes(reserved))
+	if allocated > 0 || preAttachFrees > 0 {
+		text += fmt.Sprintf(", %s allocated, %d frees of pre-attach tensors", humanBytes(allocated), preAttachFrees)
+	}
+	return text + fmt.Sprintf(", %d dropped", loss.RingBufferFull)
 }
 
 func humanBytes(n uint64) string {
