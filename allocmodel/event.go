@@ -117,4 +117,3 @@ type Context struct {
 	HasDevice bool
 	Device    int
 }
-

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"strings"
+	"unicode/utf8"
 )
 
 // Pickle opcodes, limited to those memory_viz's JavaScript unpickler
@@ -307,9 +309,14 @@ func (e *Encoder) Float(v float64) {
 }
 
 // String writes a str, once: later writes of the same string refer back to
-// the first.
+// the first. Invalid UTF-8 (process names and environment values are
+// arbitrary bytes) is written with U+FFFD in its place: pickle strings are
+// UTF-8 and CPython refuses to load anything else.
 func (e *Encoder) String(s string) {
 	e.start()
+	if !utf8.ValidString(s) {
+		s = strings.ToValidUTF8(s, "\uFFFD")
+	}
 	if id, ok := e.memo[s]; ok {
 		e.get(id)
 		return

@@ -30,9 +30,9 @@ const pollInterval = 100 * time.Millisecond
 
 // traced is one process being traced and its rebuilt allocator.
 type traced struct {
-	target *agent.Target
-	model  *allocmodel.Model
-	conf   allocmodel.AllocConf
+	target  *agent.Target
+	model   *allocmodel.Model
+	conf    allocmodel.AllocConf
 	exited  <-chan struct{}
 	exiting bool // its exit snapshot is requested
 }
