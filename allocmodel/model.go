@@ -154,6 +154,9 @@ type Counters struct {
 	// SegmentsFreedWithLiveBlocks counts segments returned to the runtime
 	// while the model held blocks in them allocated.
 	SegmentsFreedWithLiveBlocks uint64
+	// InvalidDevices counts device numbers outside [0, MaxDevices): the
+	// event was attributed to the default device.
+	InvalidDevices uint64
 	// RuntimeAllocsOutside counts runtime allocations made outside the
 	// caching allocator (workspace, communication libraries, direct runtime
 	// users): not part of a torch snapshot.
@@ -276,8 +279,14 @@ func (m *Model) DeviceStats() []DeviceStats {
 	return out
 }
 
+// MaxDevices bounds device numbers: an Ascend host has at most 16 NPUs, so
+// anything past this is a misread value, and growing per-device state to
+// it would waste memory.
+const MaxDevices = 64
+
 func (m *Model) device(d int) *deviceState {
-	if d < 0 {
+	if d < 0 || d >= MaxDevices {
+		m.counters.InvalidDevices++
 		d = m.cfg.DefaultDevice
 	}
 	for len(m.devices) <= d {
@@ -320,8 +329,10 @@ func (m *Model) Apply(ev *Event) {
 	case ev.Call == CallFree:
 		m.applyFree(t, ev)
 	case ev.Call == CallSetDevice || ev.Call == CallGetDevice:
-		if ev.Outcome == OutcomeReturned {
-			t.device, t.deviceKnown = int(int32(ev.Arg)), true
+		if dev := int(int32(ev.Arg)); ev.Outcome == OutcomeReturned && dev >= 0 && dev < MaxDevices {
+			t.device, t.deviceKnown = dev, true
+		} else if ev.Outcome == OutcomeReturned {
+			m.counters.InvalidDevices++
 		} else {
 			m.counters.FailedCalls++
 		}
