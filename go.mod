@@ -10,4 +10,6 @@ require (
 	golang.org/x/term v0.48.0
 )
 
+require golang.org/x/arch v0.33.0 // indirect
+
 tool github.com/cilium/ebpf/cmd/bpf2go

@@ -39,20 +39,25 @@ func (s symbolSource) String() string {
 	return s.Kind + " debug file " + s.Path
 }
 
-// lookupSymbols returns the addresses of the wanted functions in f's
-// .dynsym and .symtab, of any binding (hidden symbols are local in .symtab).
-func lookupSymbols(f *elf.File, want map[string]bool) (found map[string]uint64, hasSymtab bool) {
-	found = make(map[string]uint64)
+// funcSymbol is a function's address and size.
+type funcSymbol struct {
+	value, size uint64
+}
+
+// lookupSymbols returns the wanted functions in f's .dynsym and .symtab, of
+// any binding (hidden symbols are local in .symtab).
+func lookupSymbols(f *elf.File, want map[string]bool) (found map[string]funcSymbol, hasSymtab bool) {
+	found = make(map[string]funcSymbol)
 	add := func(syms []elf.Symbol) {
 		for _, s := range syms {
 			if !want[s.Name] || s.Section == elf.SHN_UNDEF || s.Value == 0 {
 				continue
 			}
-			if t := elf.ST_TYPE(s.Info); t != elf.STT_FUNC && t != elf.STT_GNU_IFUNC {
+			if elf.ST_TYPE(s.Info) != elf.STT_FUNC { // see isDefinedFunction on IFUNCs
 				continue
 			}
 			if _, dup := found[s.Name]; !dup {
-				found[s.Name] = s.Value
+				found[s.Name] = funcSymbol{s.Value, s.Size}
 			}
 		}
 	}
@@ -222,11 +227,19 @@ func safeELF(r io.ReaderAt) (f *elf.File, err error) {
 	return elf.NewFile(r)
 }
 
+// hiddenFunc is a resolved function: its entry's file offset, its size,
+// and the offsets of its return instructions.
+type hiddenFunc struct {
+	offset  uint64
+	size    uint64
+	returns returnSites
+}
+
 // resolveHidden finds the wanted functions in lib (opened, as mapped by
 // pid at libPath): its .dynsym, its .symtab, then its debug file. It
 // returns file offsets for uprobes, where they were found, and, when some
 // are missing, a description of every place looked at.
-func resolveHidden(pid int, lib *os.File, libPath string, want []string, debugDirs []string) (map[string]uint64, symbolSource, []string, error) {
+func resolveHidden(pid int, lib *os.File, libPath string, want []string, debugDirs []string) (map[string]hiddenFunc, symbolSource, []string, error) {
 	wanted := make(map[string]bool, len(want))
 	for _, n := range want {
 		wanted[n] = true
@@ -256,13 +269,17 @@ func resolveHidden(pid int, lib *os.File, libPath string, want []string, debugDi
 			}
 		}
 	}
-	offsets := make(map[string]uint64, len(found))
-	for name, vaddr := range found {
-		off, err := fileOffset(progs, vaddr)
+	funcs := make(map[string]hiddenFunc, len(found))
+	for name, sym := range found {
+		off, err := fileOffset(progs, sym.value)
 		if err != nil {
 			continue
 		}
-		offsets[name] = off
+		code := make([]byte, sym.size)
+		if _, err := lib.ReadAt(code, int64(off)); err != nil {
+			continue
+		}
+		funcs[name] = hiddenFunc{offset: off, size: sym.size, returns: findReturnSites(ef.Machine, code)}
 	}
-	return offsets, src, tried, nil
+	return funcs, src, tried, nil
 }

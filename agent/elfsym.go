@@ -19,9 +19,11 @@ type elfSymbols struct {
 // readDynamicSymbols reads the functions an ELF file defines in .dynsym:
 // what the dynamic linker (and so dlsym and PLT calls) can bind to.
 //
-// A symbol counts as defined when it is a function (or GNU indirect
-// function), global or weak, default or protected visibility, and has a
-// section: an undefined entry is an import, not a definition.
+// A symbol counts as defined when it is a function, global or weak,
+// default or protected visibility, and has a section: an undefined entry is
+// an import, not a definition. GNU indirect functions are left out: their
+// value is the resolver, which runs once at load time, not the function
+// calls reach.
 func readDynamicSymbols(r io.ReaderAt) (es *elfSymbols, err error) {
 	// debug/elf trusts the file's offsets; a corrupt or hostile library in
 	// a traced container must not crash the agent.
@@ -57,8 +59,7 @@ func progHeaders(f *elf.File) []elf.ProgHeader {
 }
 
 func isDefinedFunction(s elf.Symbol) bool {
-	typ := elf.ST_TYPE(s.Info)
-	if typ != elf.STT_FUNC && typ != elf.STT_GNU_IFUNC {
+	if elf.ST_TYPE(s.Info) != elf.STT_FUNC {
 		return false
 	}
 	bind := elf.ST_BIND(s.Info)

@@ -69,8 +69,8 @@ type torchProbe struct {
 	what     string   // for messages
 	names    []string // mangled names; the first one found is used
 	entry    string
-	ret      string
-	required bool // without it there is no tensor level
+	ret      string // attached as a uprobe at every return instruction (see retsites.go)
+	required bool   // without it there is no tensor level
 }
 
 // torchProbes are the entry points of torch_npu's caching allocator that
@@ -84,17 +84,17 @@ var torchProbes = []torchProbe{
 	{"NpuCachingAllocator::allocate", []string{
 		"_ZN7c10_npu19NPUCachingAllocator19NpuCachingAllocator8allocateEm",
 		"_ZNK7c10_npu19NPUCachingAllocator19NpuCachingAllocator8allocateEm", // const before torch_npu 2.3
-	}, bpf.NpuprobeProgUprobeTorchAllocate, bpf.NpuprobeProgUretprobeTorchAllocate, true},
+	}, bpf.NpuprobeProgUprobeTorchAllocate, bpf.NpuprobeProgUprobeTorchAllocateReturn, true},
 	{"local_raw_delete", []string{"_ZN7c10_npu19NPUCachingAllocator16local_raw_deleteEPv"},
 		bpf.NpuprobeProgUprobeTorchLocalRawDelete, "", true},
 	{"NpuCachingAllocator::raw_alloc", []string{"_ZN7c10_npu19NPUCachingAllocator19NpuCachingAllocator9raw_allocEm"},
-		bpf.NpuprobeProgUprobeTorchRawAlloc, bpf.NpuprobeProgUretprobeTorchRawAlloc, false},
+		bpf.NpuprobeProgUprobeTorchRawAlloc, bpf.NpuprobeProgUprobeTorchRawAllocReturn, false},
 	{"NpuCachingAllocator::raw_alloc_with_stream", []string{"_ZN7c10_npu19NPUCachingAllocator19NpuCachingAllocator21raw_alloc_with_streamEmPv"},
-		bpf.NpuprobeProgUprobeTorchRawAllocWithStream, bpf.NpuprobeProgUretprobeTorchRawAllocWithStream, false},
+		bpf.NpuprobeProgUprobeTorchRawAllocWithStream, bpf.NpuprobeProgUprobeTorchRawAllocWithStreamReturn, false},
 	{"NpuCachingAllocator::raw_delete", []string{"_ZN7c10_npu19NPUCachingAllocator19NpuCachingAllocator10raw_deleteEPv"},
 		bpf.NpuprobeProgUprobeTorchRawDelete, "", false},
 	{"NpuCachingAllocator::malloc", []string{"_ZN7c10_npu19NPUCachingAllocator19NpuCachingAllocator6mallocEPPvimS2_"},
-		bpf.NpuprobeProgUprobeTorchMalloc, bpf.NpuprobeProgUretprobeTorchMalloc, false},
+		bpf.NpuprobeProgUprobeTorchMalloc, bpf.NpuprobeProgUprobeTorchMallocReturn, false},
 }
 
 // Level is the level of detail asked for.
@@ -205,6 +205,8 @@ type Target struct {
 	// AlsoDefined lists, per symbol, other files defining it that were
 	// deliberately not attached.
 	AlsoDefined map[string][]string
+	// Warnings are things the user should know about what is attached.
+	Warnings []string
 }
 
 // Attach starts tracing pid: it adds the process to the BPF filter and
@@ -304,38 +306,54 @@ func (t *Tracer) attachTorch(pid int, target *Target, opts AttachOptions) error 
 	for _, p := range torchProbes {
 		want = append(want, p.names...)
 	}
-	offsets, src, tried, err := resolveHidden(pid, f, lib.mapping.Path, want, opts.DebugDirs)
+	funcs, src, tried, err := resolveHidden(pid, f, lib.mapping.Path, want, opts.DebugDirs)
 	if err != nil {
 		return unavailable(fmt.Sprintf("%s: %v", lib.mapping.Path, err))
 	}
 	type chosen struct {
-		p      torchProbe
-		name   string
-		offset uint64
+		p  torchProbe
+		fn hiddenFunc
 	}
 	var plan []chosen
 	for _, p := range torchProbes {
-		found := false
+		var fn *hiddenFunc
 		for _, n := range p.names {
-			if off, ok := offsets[n]; ok {
-				plan = append(plan, chosen{p, n, off})
-				found = true
+			if h, ok := funcs[n]; ok {
+				fn = &h
 				break
 			}
 		}
-		if !found && p.required {
+		switch {
+		case fn == nil && p.required:
 			why := fmt.Sprintf("%s has no symbol for %s (it is stripped, and no debug file was found", lib.mapping.Path, p.what)
 			if len(tried) > 0 {
 				why += "; looked at " + strings.Join(tried, ", ")
 			}
 			return unavailable(why + ")")
-		}
-		if !found {
+		case fn == nil:
 			target.Missing = append(target.Missing, p.what)
+		case p.ret != "" && fn.returns.err != nil && p.required:
+			return unavailable(fmt.Sprintf("cannot find where %s in %s returns: %v", p.what, lib.mapping.Path, fn.returns.err))
+		case p.ret != "" && fn.returns.err != nil:
+			target.Missing = append(target.Missing, p.what)
+		default:
+			if p.ret != "" && fn.returns.tailCalls > 0 {
+				target.Warnings = append(target.Warnings, fmt.Sprintf(
+					"%s leaves through %d tail calls; allocations returned that way are not seen", p.what, fn.returns.tailCalls))
+			}
+			plan = append(plan, chosen{p, *fn})
 		}
 	}
 	for _, c := range plan {
-		if err := t.attachAt(f, c.p.what, c.offset, pid, c.p.entry, c.p.ret); err != nil {
+		// Return sites first, for the same reason as return probes first.
+		if c.p.ret != "" {
+			for _, site := range c.fn.returns.offsets {
+				if err := t.attachAt(f, c.p.what, c.fn.offset+site, pid, c.p.ret, ""); err != nil {
+					return err
+				}
+			}
+		}
+		if err := t.attachAt(f, c.p.what, c.fn.offset, pid, c.p.entry, ""); err != nil {
 			return err
 		}
 		target.Attached[c.p.what] = lib.mapping.Path

@@ -12,8 +12,8 @@
  * Invariants user space relies on:
  *  - Records from one CPU carry consecutive per-CPU sequence numbers; a record
  *    that could not be reserved still consumes its number, so a gap in one
- *    CPU's sequence is exactly the number of records lost there (also counted
- *    in counters[NPU_CTR_RINGBUF_FULL]).
+ *    CPU's sequence marks where records were lost. The exact count of lost
+ *    records is counters[NPU_CTR_RINGBUF_FULL] (see reserve()).
  *  - The ring buffer delivers records in reservation order across CPUs, which
  *    is the order the calls' effects became visible (frees are recorded at
  *    entry, before the memory can be handed out again; allocations at return,
@@ -194,8 +194,14 @@ const struct npu_event *npu_event_btf_anchor __attribute__((unused));
 static __always_inline void count(__u32 which)
 {
 	__u64 *v = bpf_map_lookup_elem(&counters, &which);
+	/*
+	 * Atomic even though per-CPU: on preemptible kernels uprobe programs
+	 * run with only migration disabled, so two threads' programs can
+	 * interleave on one CPU. An add whose result is unused is a plain
+	 * BPF_ATOMIC add, which every kernel with ring buffers accepts.
+	 */
 	if (v)
-		*v += 1; /* per-CPU and uprobe programs run with preemption off: no atomics needed */
+		__sync_fetch_and_add(v, 1);
 }
 
 static __always_inline int traced(__u64 pid_tgid)
@@ -215,6 +221,12 @@ static __always_inline struct npu_event *reserve(__u64 pid_tgid, __u8 fn, __u8 k
 	__u64 *seq = bpf_map_lookup_elem(&counters, &key);
 	if (!seq)
 		return 0;
+	/*
+	 * Not atomic: a fetching atomic would need Linux 5.12. On a preemptible
+	 * kernel two programs interleaving on one CPU may then share a number;
+	 * that can hide, never invent, a gap. Drops are counted exactly by the
+	 * atomic counter below, which is the figure reported.
+	 */
 	__u64 my_seq = *seq;
 	*seq = my_seq + 1;
 
@@ -483,7 +495,16 @@ int uretprobe_aclrt_get_mem_info(struct npu_regs *ctx)
 	return 0;
 }
 
-/* --- torch_npu's caching allocator: tensor level --- */
+/* --- torch_npu's caching allocator: tensor level ---
+ *
+ * No uretprobes here. A uretprobe replaces the return address on the stack
+ * with a trampoline that has no unwind information, so a C++ exception
+ * thrown through the probed frame (allocate throws OutOfMemoryError) makes
+ * the unwinder give up and std::terminate the process. The *_return
+ * programs are instead plain uprobes that the agent attaches at every
+ * return instruction of the function; at that point the return value is in
+ * its register and an exception never passes through them.
+ */
 
 /*
  * A new allocation on this thread means any earlier one is over, even if
@@ -524,8 +545,8 @@ int uprobe_torch_allocate(struct npu_regs *ctx)
 	return save_entry(NPU_FN_TORCH_ALLOCATE, NPU_SRET(ctx), NPU_SRET_ARG(ctx, 1), 0, 0);
 }
 
-SEC("uretprobe/torch_allocate")
-int uretprobe_torch_allocate(struct npu_regs *ctx)
+SEC("uprobe/torch_allocate_return")
+int uprobe_torch_allocate_return(struct npu_regs *ctx)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	if (!traced(pid_tgid))
@@ -599,14 +620,14 @@ static __always_inline int raw_alloc_return(struct npu_regs *ctx, __u8 fn)
 SEC("uprobe/torch_raw_alloc")
 int uprobe_torch_raw_alloc(struct npu_regs *ctx) { return raw_alloc_entry(ctx, NPU_FN_TORCH_RAW_ALLOC); }
 
-SEC("uretprobe/torch_raw_alloc")
-int uretprobe_torch_raw_alloc(struct npu_regs *ctx) { return raw_alloc_return(ctx, NPU_FN_TORCH_RAW_ALLOC); }
+SEC("uprobe/torch_raw_alloc_return")
+int uprobe_torch_raw_alloc_return(struct npu_regs *ctx) { return raw_alloc_return(ctx, NPU_FN_TORCH_RAW_ALLOC); }
 
 SEC("uprobe/torch_raw_alloc_with_stream")
 int uprobe_torch_raw_alloc_with_stream(struct npu_regs *ctx) { return raw_alloc_entry(ctx, NPU_FN_TORCH_RAW_ALLOC_STREAM); }
 
-SEC("uretprobe/torch_raw_alloc_with_stream")
-int uretprobe_torch_raw_alloc_with_stream(struct npu_regs *ctx) { return raw_alloc_return(ctx, NPU_FN_TORCH_RAW_ALLOC_STREAM); }
+SEC("uprobe/torch_raw_alloc_with_stream_return")
+int uprobe_torch_raw_alloc_with_stream_return(struct npu_regs *ctx) { return raw_alloc_return(ctx, NPU_FN_TORCH_RAW_ALLOC_STREAM); }
 
 SEC("uprobe/torch_raw_delete")
 int uprobe_torch_raw_delete(struct npu_regs *ctx)
@@ -634,8 +655,8 @@ int uprobe_torch_malloc(struct npu_regs *ctx)
 	return save_entry(NPU_FN_TORCH_MALLOC, NPU_ARG1(ctx), (__u64)(__s64)(__s32)NPU_ARG2(ctx), NPU_ARG3(ctx), NPU_ARG4(ctx));
 }
 
-SEC("uretprobe/torch_malloc")
-int uretprobe_torch_malloc(struct npu_regs *ctx)
+SEC("uprobe/torch_malloc_return")
+int uprobe_torch_malloc_return(struct npu_regs *ctx)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	if (!traced(pid_tgid))

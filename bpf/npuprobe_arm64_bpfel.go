@@ -57,35 +57,35 @@ type NpuprobePendingKey struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	NpuprobeMapCounters                          = "counters"
-	NpuprobeMapEvents                            = "events"
-	NpuprobeMapLastMallocs                       = "last_mallocs"
-	NpuprobeMapPending                           = "pending"
-	NpuprobeMapTracedTgids                       = "traced_tgids"
-	NpuprobeProgUprobeAclrtFree                  = "uprobe_aclrt_free"
-	NpuprobeProgUprobeAclrtGetDevice             = "uprobe_aclrt_get_device"
-	NpuprobeProgUprobeAclrtGetMemInfo            = "uprobe_aclrt_get_mem_info"
-	NpuprobeProgUprobeAclrtMalloc                = "uprobe_aclrt_malloc"
-	NpuprobeProgUprobeAclrtMallocAlign32         = "uprobe_aclrt_malloc_align32"
-	NpuprobeProgUprobeAclrtMallocCached          = "uprobe_aclrt_malloc_cached"
-	NpuprobeProgUprobeAclrtSetDevice             = "uprobe_aclrt_set_device"
-	NpuprobeProgUprobeTorchAllocate              = "uprobe_torch_allocate"
-	NpuprobeProgUprobeTorchLocalRawDelete        = "uprobe_torch_local_raw_delete"
-	NpuprobeProgUprobeTorchMalloc                = "uprobe_torch_malloc"
-	NpuprobeProgUprobeTorchRawAlloc              = "uprobe_torch_raw_alloc"
-	NpuprobeProgUprobeTorchRawAllocWithStream    = "uprobe_torch_raw_alloc_with_stream"
-	NpuprobeProgUprobeTorchRawDelete             = "uprobe_torch_raw_delete"
-	NpuprobeProgUretprobeAclrtGetDevice          = "uretprobe_aclrt_get_device"
-	NpuprobeProgUretprobeAclrtGetMemInfo         = "uretprobe_aclrt_get_mem_info"
-	NpuprobeProgUretprobeAclrtMalloc             = "uretprobe_aclrt_malloc"
-	NpuprobeProgUretprobeAclrtMallocAlign32      = "uretprobe_aclrt_malloc_align32"
-	NpuprobeProgUretprobeAclrtMallocCached       = "uretprobe_aclrt_malloc_cached"
-	NpuprobeProgUretprobeAclrtSetDevice          = "uretprobe_aclrt_set_device"
-	NpuprobeProgUretprobeTorchAllocate           = "uretprobe_torch_allocate"
-	NpuprobeProgUretprobeTorchMalloc             = "uretprobe_torch_malloc"
-	NpuprobeProgUretprobeTorchRawAlloc           = "uretprobe_torch_raw_alloc"
-	NpuprobeProgUretprobeTorchRawAllocWithStream = "uretprobe_torch_raw_alloc_with_stream"
-	NpuprobeVarNpuEventBtfAnchor                 = "npu_event_btf_anchor"
+	NpuprobeMapCounters                             = "counters"
+	NpuprobeMapEvents                               = "events"
+	NpuprobeMapLastMallocs                          = "last_mallocs"
+	NpuprobeMapPending                              = "pending"
+	NpuprobeMapTracedTgids                          = "traced_tgids"
+	NpuprobeProgUprobeAclrtFree                     = "uprobe_aclrt_free"
+	NpuprobeProgUprobeAclrtGetDevice                = "uprobe_aclrt_get_device"
+	NpuprobeProgUprobeAclrtGetMemInfo               = "uprobe_aclrt_get_mem_info"
+	NpuprobeProgUprobeAclrtMalloc                   = "uprobe_aclrt_malloc"
+	NpuprobeProgUprobeAclrtMallocAlign32            = "uprobe_aclrt_malloc_align32"
+	NpuprobeProgUprobeAclrtMallocCached             = "uprobe_aclrt_malloc_cached"
+	NpuprobeProgUprobeAclrtSetDevice                = "uprobe_aclrt_set_device"
+	NpuprobeProgUprobeTorchAllocate                 = "uprobe_torch_allocate"
+	NpuprobeProgUprobeTorchAllocateReturn           = "uprobe_torch_allocate_return"
+	NpuprobeProgUprobeTorchLocalRawDelete           = "uprobe_torch_local_raw_delete"
+	NpuprobeProgUprobeTorchMalloc                   = "uprobe_torch_malloc"
+	NpuprobeProgUprobeTorchMallocReturn             = "uprobe_torch_malloc_return"
+	NpuprobeProgUprobeTorchRawAlloc                 = "uprobe_torch_raw_alloc"
+	NpuprobeProgUprobeTorchRawAllocReturn           = "uprobe_torch_raw_alloc_return"
+	NpuprobeProgUprobeTorchRawAllocWithStream       = "uprobe_torch_raw_alloc_with_stream"
+	NpuprobeProgUprobeTorchRawAllocWithStreamReturn = "uprobe_torch_raw_alloc_with_stream_return"
+	NpuprobeProgUprobeTorchRawDelete                = "uprobe_torch_raw_delete"
+	NpuprobeProgUretprobeAclrtGetDevice             = "uretprobe_aclrt_get_device"
+	NpuprobeProgUretprobeAclrtGetMemInfo            = "uretprobe_aclrt_get_mem_info"
+	NpuprobeProgUretprobeAclrtMalloc                = "uretprobe_aclrt_malloc"
+	NpuprobeProgUretprobeAclrtMallocAlign32         = "uretprobe_aclrt_malloc_align32"
+	NpuprobeProgUretprobeAclrtMallocCached          = "uretprobe_aclrt_malloc_cached"
+	NpuprobeProgUretprobeAclrtSetDevice             = "uretprobe_aclrt_set_device"
+	NpuprobeVarNpuEventBtfAnchor                    = "npu_event_btf_anchor"
 )
 
 // LoadNpuprobe returns the embedded CollectionSpec for Npuprobe.
@@ -130,29 +130,29 @@ type NpuprobeSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type NpuprobeProgramSpecs struct {
-	UprobeAclrtFree                  *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_free"`
-	UprobeAclrtGetDevice             *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_get_device"`
-	UprobeAclrtGetMemInfo            *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_get_mem_info"`
-	UprobeAclrtMalloc                *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_malloc"`
-	UprobeAclrtMallocAlign32         *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_malloc_align32"`
-	UprobeAclrtMallocCached          *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_malloc_cached"`
-	UprobeAclrtSetDevice             *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_set_device"`
-	UprobeTorchAllocate              *ebpf.ProgramSpec `ebpf:"uprobe_torch_allocate"`
-	UprobeTorchLocalRawDelete        *ebpf.ProgramSpec `ebpf:"uprobe_torch_local_raw_delete"`
-	UprobeTorchMalloc                *ebpf.ProgramSpec `ebpf:"uprobe_torch_malloc"`
-	UprobeTorchRawAlloc              *ebpf.ProgramSpec `ebpf:"uprobe_torch_raw_alloc"`
-	UprobeTorchRawAllocWithStream    *ebpf.ProgramSpec `ebpf:"uprobe_torch_raw_alloc_with_stream"`
-	UprobeTorchRawDelete             *ebpf.ProgramSpec `ebpf:"uprobe_torch_raw_delete"`
-	UretprobeAclrtGetDevice          *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_get_device"`
-	UretprobeAclrtGetMemInfo         *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_get_mem_info"`
-	UretprobeAclrtMalloc             *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_malloc"`
-	UretprobeAclrtMallocAlign32      *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_malloc_align32"`
-	UretprobeAclrtMallocCached       *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_malloc_cached"`
-	UretprobeAclrtSetDevice          *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_set_device"`
-	UretprobeTorchAllocate           *ebpf.ProgramSpec `ebpf:"uretprobe_torch_allocate"`
-	UretprobeTorchMalloc             *ebpf.ProgramSpec `ebpf:"uretprobe_torch_malloc"`
-	UretprobeTorchRawAlloc           *ebpf.ProgramSpec `ebpf:"uretprobe_torch_raw_alloc"`
-	UretprobeTorchRawAllocWithStream *ebpf.ProgramSpec `ebpf:"uretprobe_torch_raw_alloc_with_stream"`
+	UprobeAclrtFree                     *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_free"`
+	UprobeAclrtGetDevice                *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_get_device"`
+	UprobeAclrtGetMemInfo               *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_get_mem_info"`
+	UprobeAclrtMalloc                   *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_malloc"`
+	UprobeAclrtMallocAlign32            *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_malloc_align32"`
+	UprobeAclrtMallocCached             *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_malloc_cached"`
+	UprobeAclrtSetDevice                *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_set_device"`
+	UprobeTorchAllocate                 *ebpf.ProgramSpec `ebpf:"uprobe_torch_allocate"`
+	UprobeTorchAllocateReturn           *ebpf.ProgramSpec `ebpf:"uprobe_torch_allocate_return"`
+	UprobeTorchLocalRawDelete           *ebpf.ProgramSpec `ebpf:"uprobe_torch_local_raw_delete"`
+	UprobeTorchMalloc                   *ebpf.ProgramSpec `ebpf:"uprobe_torch_malloc"`
+	UprobeTorchMallocReturn             *ebpf.ProgramSpec `ebpf:"uprobe_torch_malloc_return"`
+	UprobeTorchRawAlloc                 *ebpf.ProgramSpec `ebpf:"uprobe_torch_raw_alloc"`
+	UprobeTorchRawAllocReturn           *ebpf.ProgramSpec `ebpf:"uprobe_torch_raw_alloc_return"`
+	UprobeTorchRawAllocWithStream       *ebpf.ProgramSpec `ebpf:"uprobe_torch_raw_alloc_with_stream"`
+	UprobeTorchRawAllocWithStreamReturn *ebpf.ProgramSpec `ebpf:"uprobe_torch_raw_alloc_with_stream_return"`
+	UprobeTorchRawDelete                *ebpf.ProgramSpec `ebpf:"uprobe_torch_raw_delete"`
+	UretprobeAclrtGetDevice             *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_get_device"`
+	UretprobeAclrtGetMemInfo            *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_get_mem_info"`
+	UretprobeAclrtMalloc                *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_malloc"`
+	UretprobeAclrtMallocAlign32         *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_malloc_align32"`
+	UretprobeAclrtMallocCached          *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_malloc_cached"`
+	UretprobeAclrtSetDevice             *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_set_device"`
 }
 
 // NpuprobeMapSpecs contains maps before they are loaded into the kernel.
@@ -221,29 +221,29 @@ type NpuprobeVariables struct {
 //
 // It can be passed to LoadNpuprobeObjects or ebpf.CollectionSpec.LoadAndAssign.
 type NpuprobePrograms struct {
-	UprobeAclrtFree                  *ebpf.Program `ebpf:"uprobe_aclrt_free"`
-	UprobeAclrtGetDevice             *ebpf.Program `ebpf:"uprobe_aclrt_get_device"`
-	UprobeAclrtGetMemInfo            *ebpf.Program `ebpf:"uprobe_aclrt_get_mem_info"`
-	UprobeAclrtMalloc                *ebpf.Program `ebpf:"uprobe_aclrt_malloc"`
-	UprobeAclrtMallocAlign32         *ebpf.Program `ebpf:"uprobe_aclrt_malloc_align32"`
-	UprobeAclrtMallocCached          *ebpf.Program `ebpf:"uprobe_aclrt_malloc_cached"`
-	UprobeAclrtSetDevice             *ebpf.Program `ebpf:"uprobe_aclrt_set_device"`
-	UprobeTorchAllocate              *ebpf.Program `ebpf:"uprobe_torch_allocate"`
-	UprobeTorchLocalRawDelete        *ebpf.Program `ebpf:"uprobe_torch_local_raw_delete"`
-	UprobeTorchMalloc                *ebpf.Program `ebpf:"uprobe_torch_malloc"`
-	UprobeTorchRawAlloc              *ebpf.Program `ebpf:"uprobe_torch_raw_alloc"`
-	UprobeTorchRawAllocWithStream    *ebpf.Program `ebpf:"uprobe_torch_raw_alloc_with_stream"`
-	UprobeTorchRawDelete             *ebpf.Program `ebpf:"uprobe_torch_raw_delete"`
-	UretprobeAclrtGetDevice          *ebpf.Program `ebpf:"uretprobe_aclrt_get_device"`
-	UretprobeAclrtGetMemInfo         *ebpf.Program `ebpf:"uretprobe_aclrt_get_mem_info"`
-	UretprobeAclrtMalloc             *ebpf.Program `ebpf:"uretprobe_aclrt_malloc"`
-	UretprobeAclrtMallocAlign32      *ebpf.Program `ebpf:"uretprobe_aclrt_malloc_align32"`
-	UretprobeAclrtMallocCached       *ebpf.Program `ebpf:"uretprobe_aclrt_malloc_cached"`
-	UretprobeAclrtSetDevice          *ebpf.Program `ebpf:"uretprobe_aclrt_set_device"`
-	UretprobeTorchAllocate           *ebpf.Program `ebpf:"uretprobe_torch_allocate"`
-	UretprobeTorchMalloc             *ebpf.Program `ebpf:"uretprobe_torch_malloc"`
-	UretprobeTorchRawAlloc           *ebpf.Program `ebpf:"uretprobe_torch_raw_alloc"`
-	UretprobeTorchRawAllocWithStream *ebpf.Program `ebpf:"uretprobe_torch_raw_alloc_with_stream"`
+	UprobeAclrtFree                     *ebpf.Program `ebpf:"uprobe_aclrt_free"`
+	UprobeAclrtGetDevice                *ebpf.Program `ebpf:"uprobe_aclrt_get_device"`
+	UprobeAclrtGetMemInfo               *ebpf.Program `ebpf:"uprobe_aclrt_get_mem_info"`
+	UprobeAclrtMalloc                   *ebpf.Program `ebpf:"uprobe_aclrt_malloc"`
+	UprobeAclrtMallocAlign32            *ebpf.Program `ebpf:"uprobe_aclrt_malloc_align32"`
+	UprobeAclrtMallocCached             *ebpf.Program `ebpf:"uprobe_aclrt_malloc_cached"`
+	UprobeAclrtSetDevice                *ebpf.Program `ebpf:"uprobe_aclrt_set_device"`
+	UprobeTorchAllocate                 *ebpf.Program `ebpf:"uprobe_torch_allocate"`
+	UprobeTorchAllocateReturn           *ebpf.Program `ebpf:"uprobe_torch_allocate_return"`
+	UprobeTorchLocalRawDelete           *ebpf.Program `ebpf:"uprobe_torch_local_raw_delete"`
+	UprobeTorchMalloc                   *ebpf.Program `ebpf:"uprobe_torch_malloc"`
+	UprobeTorchMallocReturn             *ebpf.Program `ebpf:"uprobe_torch_malloc_return"`
+	UprobeTorchRawAlloc                 *ebpf.Program `ebpf:"uprobe_torch_raw_alloc"`
+	UprobeTorchRawAllocReturn           *ebpf.Program `ebpf:"uprobe_torch_raw_alloc_return"`
+	UprobeTorchRawAllocWithStream       *ebpf.Program `ebpf:"uprobe_torch_raw_alloc_with_stream"`
+	UprobeTorchRawAllocWithStreamReturn *ebpf.Program `ebpf:"uprobe_torch_raw_alloc_with_stream_return"`
+	UprobeTorchRawDelete                *ebpf.Program `ebpf:"uprobe_torch_raw_delete"`
+	UretprobeAclrtGetDevice             *ebpf.Program `ebpf:"uretprobe_aclrt_get_device"`
+	UretprobeAclrtGetMemInfo            *ebpf.Program `ebpf:"uretprobe_aclrt_get_mem_info"`
+	UretprobeAclrtMalloc                *ebpf.Program `ebpf:"uretprobe_aclrt_malloc"`
+	UretprobeAclrtMallocAlign32         *ebpf.Program `ebpf:"uretprobe_aclrt_malloc_align32"`
+	UretprobeAclrtMallocCached          *ebpf.Program `ebpf:"uretprobe_aclrt_malloc_cached"`
+	UretprobeAclrtSetDevice             *ebpf.Program `ebpf:"uretprobe_aclrt_set_device"`
 }
 
 func (p *NpuprobePrograms) Close() error {
@@ -256,10 +256,14 @@ func (p *NpuprobePrograms) Close() error {
 		p.UprobeAclrtMallocCached,
 		p.UprobeAclrtSetDevice,
 		p.UprobeTorchAllocate,
+		p.UprobeTorchAllocateReturn,
 		p.UprobeTorchLocalRawDelete,
 		p.UprobeTorchMalloc,
+		p.UprobeTorchMallocReturn,
 		p.UprobeTorchRawAlloc,
+		p.UprobeTorchRawAllocReturn,
 		p.UprobeTorchRawAllocWithStream,
+		p.UprobeTorchRawAllocWithStreamReturn,
 		p.UprobeTorchRawDelete,
 		p.UretprobeAclrtGetDevice,
 		p.UretprobeAclrtGetMemInfo,
@@ -267,10 +271,6 @@ func (p *NpuprobePrograms) Close() error {
 		p.UretprobeAclrtMallocAlign32,
 		p.UretprobeAclrtMallocCached,
 		p.UretprobeAclrtSetDevice,
-		p.UretprobeTorchAllocate,
-		p.UretprobeTorchMalloc,
-		p.UretprobeTorchRawAlloc,
-		p.UretprobeTorchRawAllocWithStream,
 	)
 }
 

@@ -207,6 +207,7 @@ func openOutDir(path string) (*output.Dir, error) {
 }
 
 func reportAttach(w io.Writer, t *agent.Target) {
+	w_ := w
 	if t.TensorUnavailable != "" {
 		fmt.Fprintf(w, "npuprobe: %s\n", t.TensorUnavailable)
 	}
@@ -223,6 +224,9 @@ func reportAttach(w io.Writer, t *agent.Target) {
 	}
 	if len(t.Missing) > 0 {
 		fmt.Fprintf(w, "npuprobe: not defined by the runtime, not traced: %s\n", strings.Join(t.Missing, ", "))
+	}
+	for _, w := range t.Warnings {
+		fmt.Fprintf(w_, "npuprobe: warning: %s\n", w)
 	}
 	if t.Level == allocmodel.LevelTensor {
 		fmt.Fprintf(w, "npuprobe: tensor level: torch_npu's allocator symbols from %s\n", t.TorchSymbols)

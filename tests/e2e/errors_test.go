@@ -71,7 +71,9 @@ func TestUserErrors(t *testing.T) {
 	}{
 		{
 			name: "no such PID",
-			cmd:  func() *exec.Cmd { return exec.Command(npuprobe, "--pid", fmt.Sprint(exitedPID(t)), "--out", t.TempDir()) },
+			cmd: func() *exec.Cmd {
+				return exec.Command(npuprobe, "--pid", fmt.Sprint(exitedPID(t)), "--out", t.TempDir())
+			},
 			code: 1,
 			want: `^npuprobe: no process with PID \d+ \(check the PID`,
 		},

@@ -93,7 +93,14 @@ type workload struct {
 func startWorkload(t *testing.T, bin string, env []string, args ...string) *workload {
 	t.Helper()
 	gt := filepath.Join(t.TempDir(), "groundtruth.txt")
-	cmd := exec.Command(bin, append([]string{"--gt", gt}, args...)...)
+	return startProgram(t, bin, env, gt, append([]string{"--gt", gt}, args...)...)
+}
+
+// startProgram starts a fixture program that speaks the ready/go/done
+// protocol and waits for its "ready PID" line.
+func startProgram(t *testing.T, bin string, env []string, gt string, args ...string) *workload {
+	t.Helper()
+	cmd := exec.Command(bin, args...)
 	cmd.Env = append(append(os.Environ(), fixtures.Env()...), env...)
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()

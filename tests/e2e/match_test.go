@@ -125,19 +125,33 @@ func (s *timingStats) quantile(q float64) float64 {
 // order, and every time_us within slackUs of its call's [before, after]
 // interval. Entries of different threads may interleave in any way
 // consistent with those rules.
+//
+// An entry can fit the next expectation of several threads at once: the
+// runtime reuses a freed address at once, so two threads may each be about
+// to allocate the same address and size (one freed it, the other, whose
+// call started earlier, got it next). Picking either thread is consistent
+// with the entry but only one is consistent with the rest of the trace, so
+// the matcher backtracks: it tries the call that ends first (it must be
+// recorded first), and revisits the choice if a later entry then fits no
+// thread.
 func matchTrace(t *testing.T, trace []TraceEntry, want map[int][]expected, slackUs int64) *timingStats {
 	t.Helper()
-	next := make(map[int]int)
-	stats := &timingStats{}
-	for i, e := range trace {
-		var addr uint64
+	entryAddr := func(e TraceEntry) uint64 {
 		switch {
 		case e.Action == "oom" && e.DeviceFree != nil:
-			addr = *e.DeviceFree
+			return *e.DeviceFree
 		case e.Addr != nil:
-			addr = *e.Addr
+			return *e.Addr
 		}
-		best, bestTid := (*expected)(nil), 0
+		return 0
+	}
+	next := make(map[int]int)
+	// candidates lists the threads whose next expectation fits trace[i],
+	// the earliest-ending call first.
+	candidates := func(i int) []int {
+		e := trace[i]
+		addr := entryAddr(e)
+		var out []int
 		for tid, list := range want {
 			if next[tid] >= len(list) {
 				continue
@@ -151,29 +165,82 @@ func matchTrace(t *testing.T, trace []TraceEntry, want map[int][]expected, slack
 			if e.TimeUs < lo || e.TimeUs > hi {
 				continue
 			}
-			if best == nil || x.call.BeforeNs < best.call.BeforeNs {
-				best, bestTid = x, tid
+			out = append(out, tid)
+		}
+		sort.Slice(out, func(a, b int) bool {
+			x, y := want[out[a]][next[out[a]]].call, want[out[b]][next[out[b]]].call
+			if x.AfterNs != y.AfterNs {
+				return x.AfterNs < y.AfterNs
+			}
+			return x.BeforeNs < y.BeforeNs
+		})
+		return out
+	}
+	heads := func() []string {
+		var out []string
+		for tid, list := range want {
+			if next[tid] < len(list) {
+				x := list[next[tid]]
+				out = append(out, fmt.Sprintf("tid %d next: %v [%d, %d] µs", tid, x, x.call.BeforeNs/1000, x.call.AfterNs/1000))
 			}
 		}
-		if best == nil {
-			var heads []string
-			for tid, list := range want {
-				if next[tid] < len(list) {
-					x := list[next[tid]]
-					heads = append(heads, fmt.Sprintf("tid %d next: %v [%d, %d] µs", tid, x, x.call.BeforeNs/1000, x.call.AfterNs/1000))
-				}
-			}
-			t.Fatalf("trace entry %d {%s addr/free=%#x size=%d time_us=%d} is not the next call of any thread:\n%v",
-				i, e.Action, addr, e.Size, e.TimeUs, heads)
+		sort.Strings(out)
+		return out
+	}
+
+	// choices[i] is how trace[i] is matched: its candidate threads and the
+	// one in use.
+	type choice struct {
+		cands []int
+		used  int
+	}
+	choices := make([]choice, 0, len(trace))
+	furthest, failure := -1, ""
+	budget := 50*len(trace) + 10000 // entries matched, backtracking included
+	for i := 0; i < len(trace); {
+		if budget--; budget < 0 {
+			t.Fatalf("matching the trace takes too much backtracking; furthest failure:\n%s", failure)
 		}
-		next[bestTid]++
-		stats.distancesUs = append(stats.distancesUs, distanceUs(e.TimeUs, best.call))
+		if cands := candidates(i); len(cands) > 0 {
+			choices = append(choices, choice{cands: cands})
+			next[cands[0]]++
+			i++
+			continue
+		}
+		if i > furthest {
+			e := trace[i]
+			furthest = i
+			failure = fmt.Sprintf("trace entry %d {%s addr/free=%#x size=%d time_us=%d} is not the next call of any thread:\n%v",
+				i, e.Action, entryAddr(e), e.Size, e.TimeUs, heads())
+		}
+		// Undo up to the latest entry that had another candidate.
+		for {
+			if len(choices) == 0 {
+				t.Fatal(failure)
+			}
+			c := &choices[len(choices)-1]
+			next[c.cands[c.used]]--
+			if c.used++; c.used < len(c.cands) {
+				next[c.cands[c.used]]++
+				i = len(choices)
+				break
+			}
+			choices = choices[:len(choices)-1]
+		}
 	}
 	for tid, list := range want {
 		if next[tid] != len(list) {
 			t.Fatalf("thread %d: %d of %d expected entries missing from the trace, first: %v",
 				tid, len(list)-next[tid], len(list), list[next[tid]])
 		}
+	}
+	// Replay the final choices for the timing statistics.
+	stats := &timingStats{}
+	pos := make(map[int]int)
+	for i, c := range choices {
+		tid := c.cands[c.used]
+		stats.distancesUs = append(stats.distancesUs, distanceUs(trace[i].TimeUs, want[tid][pos[tid]].call))
+		pos[tid]++
 	}
 	return stats
 }
