@@ -29,7 +29,7 @@ const (
 	offFn        = 74
 	offKind      = 75
 	offFlags     = 76
-	maxFnCode    = 21
+	maxFnCode    = 33
 )
 
 // fnToCall maps enum npu_fn to the model's Call. Index = enum value.
@@ -41,11 +41,19 @@ var fnToCall = [maxFnCode + 1]allocmodel.Call{
 	5:  allocmodel.CallSetDevice,
 	6:  allocmodel.CallGetDevice,
 	7:  allocmodel.CallGetMemInfo,
+	8:  allocmodel.CallReserveMemAddress,
+	9:  allocmodel.CallReleaseMemAddress,
+	10: allocmodel.CallMallocPhysical,
+	11: allocmodel.CallFreePhysical,
+	12: allocmodel.CallMapMem,
+	13: allocmodel.CallUnmapMem,
 	16: allocmodel.CallTorchAllocate,
 	17: allocmodel.CallTorchLocalRawDelete,
 	18: allocmodel.CallTorchRawAlloc,
 	19: allocmodel.CallTorchRawAllocWithStream,
 	20: allocmodel.CallTorchRawDelete,
+	32: allocmodel.CallDlopen,
+	33: allocmodel.CallExec,
 }
 
 // Bits of the record's flags (enum npu_event_flag).
@@ -53,6 +61,7 @@ const (
 	flagCtx       = 1
 	flagCtxStream = 2
 	flagCtxDevice = 4
+	flagStopped   = 8
 )
 
 // kindToOutcome maps enum npu_event_kind to the model's Outcome.
@@ -98,6 +107,7 @@ func DecodeRecord(b []byte, ev *allocmodel.Event) error {
 	if flags&flagCtxStream != 0 {
 		ev.Ctx.Stream, ev.Ctx.HasStream = le.Uint64(b[offCtxStream:]), true
 	}
+	ev.Stopped = flags&flagStopped != 0
 	if flags&flagCtxDevice != 0 {
 		ev.Ctx.Device, ev.Ctx.HasDevice = int(int32(le.Uint32(b[offCtxDevice:]))), true
 	}

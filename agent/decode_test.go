@@ -205,6 +205,14 @@ var fnsInC = map[string]allocmodel.Call{
 	"NPU_FN_SET_DEVICE":             allocmodel.CallSetDevice,
 	"NPU_FN_GET_DEVICE":             allocmodel.CallGetDevice,
 	"NPU_FN_GET_MEM_INFO":           allocmodel.CallGetMemInfo,
+	"NPU_FN_RESERVE_MEM_ADDRESS":    allocmodel.CallReserveMemAddress,
+	"NPU_FN_RELEASE_MEM_ADDRESS":    allocmodel.CallReleaseMemAddress,
+	"NPU_FN_MALLOC_PHYSICAL":        allocmodel.CallMallocPhysical,
+	"NPU_FN_FREE_PHYSICAL":          allocmodel.CallFreePhysical,
+	"NPU_FN_MAP_MEM":                allocmodel.CallMapMem,
+	"NPU_FN_UNMAP_MEM":              allocmodel.CallUnmapMem,
+	"NPU_FN_DLOPEN":                 allocmodel.CallDlopen,
+	"NPU_FN_EXEC":                   allocmodel.CallExec,
 	"NPU_FN_TORCH_ALLOCATE":         allocmodel.CallTorchAllocate,
 	"NPU_FN_TORCH_LOCAL_RAW_DELETE": allocmodel.CallTorchLocalRawDelete,
 	"NPU_FN_TORCH_RAW_ALLOC":        allocmodel.CallTorchRawAlloc,
@@ -310,7 +318,7 @@ func TestEventKindsMatchC(t *testing.T) {
 
 func TestEventFlagsMatchC(t *testing.T) {
 	flags := cEnum(t, bpfSource(t), "npu_event_flag")
-	want := map[string]int{"NPU_EVF_CTX": flagCtx, "NPU_EVF_CTX_STREAM": flagCtxStream, "NPU_EVF_CTX_DEVICE": flagCtxDevice}
+	want := map[string]int{"NPU_EVF_CTX": flagCtx, "NPU_EVF_CTX_STREAM": flagCtxStream, "NPU_EVF_CTX_DEVICE": flagCtxDevice, "NPU_EVF_STOPPED": flagStopped}
 	if len(flags) != len(want) {
 		t.Errorf("enum npu_event_flag has %v, the decoder knows %v", flags, want)
 	}

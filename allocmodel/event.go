@@ -14,12 +14,24 @@ const (
 	CallGetDevice     Call = 6 // aclrtGetDevice
 	CallGetMemInfo    Call = 7 // aclrtGetMemInfo
 
+	// Virtual memory (expandable segments).
+	CallReserveMemAddress Call = 8  // aclrtReserveMemAddress
+	CallReleaseMemAddress Call = 9  // aclrtReleaseMemAddress
+	CallMallocPhysical    Call = 10 // aclrtMallocPhysical
+	CallFreePhysical      Call = 11 // aclrtFreePhysical
+	CallMapMem            Call = 12 // aclrtMapMem
+	CallUnmapMem          Call = 13 // aclrtUnmapMem
+
 	// torch_npu's caching allocator (tensor level).
 	CallTorchAllocate           Call = 16 // NpuCachingAllocator::allocate
 	CallTorchLocalRawDelete     Call = 17 // local_raw_delete, every tensor's deleter
 	CallTorchRawAlloc           Call = 18 // NpuCachingAllocator::raw_alloc
 	CallTorchRawAllocWithStream Call = 19 // NpuCachingAllocator::raw_alloc_with_stream
 	CallTorchRawDelete          Call = 20 // NpuCachingAllocator::raw_delete
+
+	// Not allocator calls: the agent acts on them, the model ignores them.
+	CallDlopen Call = 32 // dlopen of a runtime or torch_npu library
+	CallExec   Call = 33 // a process image was replaced (--all)
 )
 
 var callNames = [...]string{
@@ -30,11 +42,19 @@ var callNames = [...]string{
 	CallSetDevice:               "aclrtSetDevice",
 	CallGetDevice:               "aclrtGetDevice",
 	CallGetMemInfo:              "aclrtGetMemInfo",
+	CallReserveMemAddress:       "aclrtReserveMemAddress",
+	CallReleaseMemAddress:       "aclrtReleaseMemAddress",
+	CallMallocPhysical:          "aclrtMallocPhysical",
+	CallFreePhysical:            "aclrtFreePhysical",
+	CallMapMem:                  "aclrtMapMem",
+	CallUnmapMem:                "aclrtUnmapMem",
 	CallTorchAllocate:           "NpuCachingAllocator::allocate",
 	CallTorchLocalRawDelete:     "local_raw_delete",
 	CallTorchRawAlloc:           "NpuCachingAllocator::raw_alloc",
 	CallTorchRawAllocWithStream: "NpuCachingAllocator::raw_alloc_with_stream",
 	CallTorchRawDelete:          "NpuCachingAllocator::raw_delete",
+	CallDlopen:                  "dlopen",
+	CallExec:                    "exec",
 }
 
 func (c Call) String() string {
@@ -102,6 +122,9 @@ type Event struct {
 	Call    Call
 	Outcome Outcome
 	RC      int32
+	// Stopped: the process was stopped at this event (a runtime dlopen)
+	// and waits for the agent to continue it.
+	Stopped bool
 	// Ctx describes the torch_npu allocation a runtime call was made for,
 	// or, on a torch allocation, the stream and device it used.
 	Ctx Context

@@ -11,15 +11,18 @@
  *
  * Invariants user space relies on:
  *  - Records from one CPU carry consecutive per-CPU sequence numbers; a record
- *    that could not be reserved still consumes its number, so a gap in one
+ *    that could not be written still consumes its number, so a gap in one
  *    CPU's sequence marks where records were lost. The exact count of lost
- *    records is counters[NPU_CTR_RINGBUF_FULL] (see reserve()).
- *  - The ring buffer delivers records in reservation order across CPUs, which
- *    is the order the calls' effects became visible (frees are recorded at
- *    entry, before the memory can be handed out again; allocations at return,
- *    after the runtime chose the address).
+ *    records is counters[NPU_CTR_RINGBUF_FULL] (see emit()).
+ *  - The ring buffer delivers records in the order they were written across
+ *    CPUs, which is the order the calls' effects became visible (frees are
+ *    recorded at entry, before the memory can be handed out again;
+ *    allocations at return, after the runtime chose the address).
  *  - ktime_ns is CLOCK_MONOTONIC (bpf_ktime_get_ns).
- *  - Only processes whose tgid is in traced_tgids produce records.
+ *  - Only processes whose tgid is in traced_tgids produce records (with
+ *    cfg_trace_all, every process reaching a probe is added to it).
+ *  - The live map is updated whether or not the record could be written:
+ *    it is what the agent resyncs from after losses.
  */
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>
@@ -38,6 +41,14 @@ enum npu_fn {
 	NPU_FN_GET_DEVICE = 6,     /* aclrtGetDevice(int32_t *deviceId) */
 	NPU_FN_GET_MEM_INFO = 7,   /* aclrtGetMemInfo(aclrtMemAttr attr, size_t *free, size_t *total) */
 
+	/* Virtual memory, used by expandable segments. */
+	NPU_FN_RESERVE_MEM_ADDRESS = 8, /* aclrtReserveMemAddress(void **virPtr, size_t size, size_t alignment, void *expectPtr, uint64_t flags) */
+	NPU_FN_RELEASE_MEM_ADDRESS = 9, /* aclrtReleaseMemAddress(void *virPtr) */
+	NPU_FN_MALLOC_PHYSICAL = 10,    /* aclrtMallocPhysical(aclrtDrvMemHandle *handle, size_t size, const aclrtPhysicalMemProp *prop, uint64_t flags) */
+	NPU_FN_FREE_PHYSICAL = 11,      /* aclrtFreePhysical(aclrtDrvMemHandle handle) */
+	NPU_FN_MAP_MEM = 12,            /* aclrtMapMem(void *virPtr, size_t size, size_t offset, aclrtDrvMemHandle handle, uint64_t flags) */
+	NPU_FN_UNMAP_MEM = 13,          /* aclrtUnmapMem(void *virPtr) */
+
 	/* torch_npu's caching allocator (c10_npu::NPUCachingAllocator), tensor level. */
 	NPU_FN_TORCH_ALLOCATE = 16,          /* DataPtr NpuCachingAllocator::allocate(size_t) [sret] */
 	NPU_FN_TORCH_LOCAL_RAW_DELETE = 17,  /* void local_raw_delete(void *ptr): every tensor's deleter */
@@ -45,6 +56,10 @@ enum npu_fn {
 	NPU_FN_TORCH_RAW_ALLOC_STREAM = 19,  /* void *NpuCachingAllocator::raw_alloc_with_stream(size_t, aclrtStream) */
 	NPU_FN_TORCH_RAW_DELETE = 20,        /* void NpuCachingAllocator::raw_delete(void *) */
 	NPU_FN_TORCH_MALLOC = 21,            /* void NpuCachingAllocator::malloc(void **, int device, size_t, aclrtStream) */
+
+	/* Processes and libraries appearing. */
+	NPU_FN_DLOPEN = 32, /* dlopen(const char *filename, int flags) of a runtime or torch_npu library */
+	NPU_FN_EXEC = 33,   /* sched_process_exec, --all only */
 };
 
 /* What a record reports about the call. */
@@ -64,6 +79,9 @@ enum npu_event_flag {
 	NPU_EVF_CTX_STREAM = 2,
 	/* ctx_device holds a device. */
 	NPU_EVF_CTX_DEVICE = 4,
+	/* The process was stopped (SIGSTOP) so the agent can attach before it
+	 * runs on: it must be continued (SIGCONT). */
+	NPU_EVF_STOPPED = 8,
 };
 
 #define ACL_ERROR_RT_MEMORY_ALLOCATION 207001
@@ -79,6 +97,12 @@ enum npu_event_flag {
  *   torch allocate:   addr = DataPtr data, size, arg = DataPtr device type << 8 | index
  *   torch raw_alloc*: addr = returned pointer, size
  *   torch deletes:    addr = pointer
+ *   reserve:          addr = *virPtr, size, arg = flags
+ *   release, unmap:   addr = virPtr
+ *   malloc physical:  addr = *handle, size, arg = prop->location.id | prop->memAttr << 32
+ *   free physical:    addr = handle
+ *   map:              addr = virPtr, size, arg = handle
+ *   dlopen:           addr = the returned handle
  * Runtime mallocs, get mem info and torch allocations also carry ctx_* when
  * flags says so (see enum npu_event_flag); torch allocations take the
  * stream and device of the NpuCachingAllocator::malloc they made.
@@ -113,6 +137,8 @@ enum npu_counter {
 	NPU_CTR_RETURN_UNPAIRED = 2, /* returns whose entry was not found (evicted, or attached mid-call) */
 	NPU_CTR_PENDING_FULL = 3,  /* entries that could not be stored */
 	NPU_CTR_READ_FAILED = 4,   /* output pointers that could not be read */
+	NPU_CTR_LIVE_FULL = 5,     /* live allocations that could not be stored (resync is partial) */
+	NPU_CTR_STOPPED = 6,       /* processes stopped at a runtime dlopen */
 	NPU_CTR_MAX = 8,
 };
 
@@ -127,6 +153,12 @@ struct pending_key {
 struct pending_call {
 	__u64 args[4];
 };
+
+/* Set by the agent before loading (constants the verifier folds away). */
+/* --all: every process that reaches a probe is traced (added to traced_tgids). */
+volatile const __u32 cfg_trace_all = 0;
+/* Stop a watched process right after it dlopens the runtime or torch_npu. */
+volatile const __u32 cfg_stop_on_load = 0;
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
@@ -178,6 +210,52 @@ struct {
 	__type(value, struct last_malloc);
 } last_mallocs SEC(".maps");
 
+/*
+ * What each traced process holds right now, kept in the kernel where no
+ * record can be lost: if the ring buffer overflows, the agent rebuilds
+ * segments and blocks from this map (resync). Keyed by process, kind and
+ * address. Not preallocated: most processes hold far fewer than
+ * max_entries, and a failed insert is counted (NPU_CTR_LIVE_FULL).
+ */
+enum live_kind {
+	LIVE_SEGMENT = 1,     /* runtime allocation (aclrtMalloc*) */
+	LIVE_BLOCK = 2,       /* caching-allocator block handed out (tensor level) */
+	LIVE_MAPPING = 3,     /* mapped page range (aclrtMapMem) */
+	LIVE_RESERVATION = 4, /* reserved VA range (aclrtReserveMemAddress) */
+};
+
+struct live_key {
+	__u32 tgid;
+	__u32 kind;
+	__u64 addr;
+};
+
+struct live_val {
+	__u64 size;
+	__u64 stream;  /* ctx stream, 0 if unknown; the handle for mappings */
+	__s32 device;  /* -1 if unknown */
+	__u32 flags;   /* NPU_EVF_CTX* of the record that created it */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1 << 20);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct live_key);
+	__type(value, struct live_val);
+} live SEC(".maps");
+
+/*
+ * Processes whose dlopen calls are watched because the runtime is not (or
+ * not yet fully) loaded in them: value unused.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32);
+	__type(value, __u32);
+} watched_tgids SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, NPU_CTR_MAX);
@@ -207,51 +285,50 @@ static __always_inline void count(__u32 which)
 static __always_inline int traced(__u64 pid_tgid)
 {
 	__u32 tgid = pid_tgid >> 32;
-	return bpf_map_lookup_elem(&traced_tgids, &tgid) != 0;
+	if (bpf_map_lookup_elem(&traced_tgids, &tgid))
+		return 1;
+	if (!cfg_trace_all)
+		return 0;
+	/* --all: the first probe a process reaches makes it traced. */
+	__u32 found_by_all = 2;
+	bpf_map_update_elem(&traced_tgids, &tgid, &found_by_all, BPF_NOEXIST);
+	return 1;
 }
 
 /*
- * Takes this CPU's next sequence number and reserves a record. The number is
- * consumed even when the ring buffer is full, which is what makes drops
- * visible as gaps.
+ * Starts a record on the stack: takes this CPU's next sequence number (also
+ * consumed if the record is then lost, which is what makes losses visible as
+ * gaps) and the time.
  */
-static __always_inline struct npu_event *reserve(__u64 pid_tgid, __u8 fn, __u8 kind, __s32 rc)
+static __always_inline void init_event(struct npu_event *e, __u64 pid_tgid, __u8 fn, __u8 kind, __s32 rc)
 {
+	__builtin_memset(e, 0, sizeof(*e));
 	__u32 key = NPU_CTR_SEQ;
 	__u64 *seq = bpf_map_lookup_elem(&counters, &key);
-	if (!seq)
-		return 0;
-	/*
-	 * Not atomic: a fetching atomic would need Linux 5.12. On a preemptible
-	 * kernel two programs interleaving on one CPU may then share a number;
-	 * that can hide, never invent, a gap. Drops are counted exactly by the
-	 * atomic counter below, which is the figure reported.
-	 */
-	__u64 my_seq = *seq;
-	*seq = my_seq + 1;
-
-	struct npu_event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
-	if (!e) {
-		count(NPU_CTR_RINGBUF_FULL);
-		return 0;
+	if (seq) {
+		/*
+		 * Not atomic: a fetching atomic would need Linux 5.12. On a
+		 * preemptible kernel two programs interleaving on one CPU may
+		 * then share a number; that can hide, never invent, a gap. The
+		 * exact loss count is the atomic counter in emit().
+		 */
+		e->seq = *seq;
+		*seq = e->seq + 1;
 	}
-	e->seq = my_seq;
 	e->ktime_ns = bpf_ktime_get_ns();
-	e->addr = 0;
-	e->size = 0;
-	e->arg = 0;
-	e->ctx_stream = 0;
-	e->ctx_size = 0;
 	e->tgid = pid_tgid >> 32;
 	e->tid = (__u32)pid_tgid;
 	e->rc = rc;
-	e->ctx_device = 0;
 	e->cpu = (__u16)bpf_get_smp_processor_id();
 	e->fn = fn;
 	e->kind = kind;
-	e->flags = 0;
-	e->pad[0] = e->pad[1] = e->pad[2] = 0;
-	return e;
+}
+
+/* Copies the record into the ring buffer, or counts it lost. */
+static __always_inline void emit(struct npu_event *e)
+{
+	if (bpf_ringbuf_output(&events, e, sizeof(*e), 0))
+		count(NPU_CTR_RINGBUF_FULL);
 }
 
 static __always_inline int save_entry(__u8 fn, __u64 a0, __u64 a1, __u64 a2, __u64 a3)
@@ -299,6 +376,20 @@ static __always_inline __u32 read_user_u32(__u64 uptr)
 	return v;
 }
 
+static __always_inline void live_put(__u64 pid_tgid, __u32 kind, __u64 addr, __u64 size, __u64 stream, __s32 device, __u32 flags)
+{
+	struct live_key k = {.tgid = pid_tgid >> 32, .kind = kind, .addr = addr};
+	struct live_val v = {.size = size, .stream = stream, .device = device, .flags = flags};
+	if (bpf_map_update_elem(&live, &k, &v, BPF_ANY))
+		count(NPU_CTR_LIVE_FULL);
+}
+
+static __always_inline void live_del(__u64 pid_tgid, __u32 kind, __u64 addr)
+{
+	struct live_key k = {.tgid = pid_tgid >> 32, .kind = kind, .addr = addr};
+	bpf_map_delete_elem(&live, &k);
+}
+
 static __always_inline struct pending_call *pending_of(__u64 pid_tgid, __u8 fn)
 {
 	struct pending_key key = {.pid_tgid = pid_tgid, .fn = fn};
@@ -307,9 +398,9 @@ static __always_inline struct pending_call *pending_of(__u64 pid_tgid, __u8 fn)
 
 /*
  * Fills ctx_* from the torch_npu allocation the thread is inside, if any:
- * the runtime call is then the caching allocator getting a segment (or,
- * for aclrtGetMemInfo, its out-of-memory path). The innermost entry point
- * that carries the most is preferred.
+ * the runtime call is then the caching allocator getting memory (or, for
+ * aclrtGetMemInfo, its out-of-memory path). The innermost entry point that
+ * carries the most is preferred.
  */
 static __always_inline void fill_ctx(struct npu_event *e, __u64 pid_tgid)
 {
@@ -329,12 +420,56 @@ static __always_inline void fill_ctx(struct npu_event *e, __u64 pid_tgid)
 		return;
 	}
 	c = pending_of(pid_tgid, NPU_FN_TORCH_ALLOCATE);
-	if (!c)
-		c = pending_of(pid_tgid, NPU_FN_TORCH_RAW_ALLOC);
-	if (c) { /* allocate: sret, size; raw_alloc: size, (unused) */
+	if (c) { /* sret, size */
 		e->ctx_size = c->args[1];
 		e->flags |= NPU_EVF_CTX;
+		return;
 	}
+	c = pending_of(pid_tgid, NPU_FN_TORCH_RAW_ALLOC);
+	if (c) { /* size */
+		e->ctx_size = c->args[0];
+		e->flags |= NPU_EVF_CTX;
+	}
+}
+
+static __always_inline __s32 ctx_device_or_unknown(struct npu_event *e)
+{
+	return (e->flags & NPU_EVF_CTX_DEVICE) ? e->ctx_device : -1;
+}
+
+static __always_inline __u8 outcome(__s32 rc)
+{
+	if (rc == 0)
+		return NPU_EV_RETURN;
+	return rc == ACL_ERROR_RT_MEMORY_ALLOCATION ? NPU_EV_OOM : NPU_EV_FAILED;
+}
+
+/* Records a call at its entry with its first argument as the address. */
+static __always_inline int record_entry(__u8 fn, __u64 addr)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	if (!traced(pid_tgid))
+		return 0;
+	struct npu_event e;
+	init_event(&e, pid_tgid, fn, NPU_EV_ENTRY, 0);
+	e.addr = addr;
+	switch (fn) {
+	case NPU_FN_FREE:
+		live_del(pid_tgid, LIVE_SEGMENT, addr);
+		break;
+	case NPU_FN_RELEASE_MEM_ADDRESS:
+		live_del(pid_tgid, LIVE_RESERVATION, addr);
+		break;
+	case NPU_FN_UNMAP_MEM:
+		live_del(pid_tgid, LIVE_MAPPING, addr);
+		break;
+	case NPU_FN_TORCH_LOCAL_RAW_DELETE:
+	case NPU_FN_TORCH_RAW_DELETE:
+		live_del(pid_tgid, LIVE_BLOCK, addr);
+		break;
+	}
+	emit(&e);
+	return 0;
 }
 
 /* --- device-memory allocation: aclrtMalloc, aclrtMallocAlign32, aclrtMallocCached --- */
@@ -353,24 +488,18 @@ static __always_inline int malloc_return(struct npu_regs *ctx, __u8 fn)
 	struct pending_call call;
 	if (take_entry(pid_tgid, fn, &call))
 		return 0;
-
 	__s32 rc = (__s32)NPU_RET(ctx); /* aclError is an int: upper half undefined */
-	__u8 kind = NPU_EV_RETURN;
-	if (rc == ACL_ERROR_RT_MEMORY_ALLOCATION)
-		kind = NPU_EV_OOM;
-	else if (rc != 0)
-		kind = NPU_EV_FAILED;
-
-	struct npu_event *e = reserve(pid_tgid, fn, kind, rc);
-	if (!e)
-		return 0;
+	struct npu_event e;
+	init_event(&e, pid_tgid, fn, outcome(rc), rc);
+	e.size = call.args[1];
+	e.arg = call.args[2];
+	fill_ctx(&e, pid_tgid);
 	/* *devPtr is defined only on success. */
-	if (kind == NPU_EV_RETURN)
-		e->addr = read_user_u64(call.args[0]);
-	e->size = call.args[1];
-	e->arg = call.args[2];
-	fill_ctx(e, pid_tgid);
-	bpf_ringbuf_submit(e, 0);
+	if (rc == 0) {
+		e.addr = read_user_u64(call.args[0]);
+		live_put(pid_tgid, LIVE_SEGMENT, e.addr, e.size, e.ctx_stream, ctx_device_or_unknown(&e), e.flags);
+	}
+	emit(&e);
 	return 0;
 }
 
@@ -392,26 +521,13 @@ int uprobe_aclrt_malloc_cached(struct npu_regs *ctx) { return malloc_entry(ctx, 
 SEC("uretprobe/aclrtMallocCached")
 int uretprobe_aclrt_malloc_cached(struct npu_regs *ctx) { return malloc_return(ctx, NPU_FN_MALLOC_CACHED); }
 
-/* --- aclrtFree: recorded at entry --- */
-
 /*
- * Recorded at entry, not return: the runtime may hand the same address to
- * another thread the moment it is freed, and that thread's allocation record
- * must come after this one in the ring.
+ * Frees are recorded at entry, not return: the runtime may hand the same
+ * address to another thread the moment it is freed, and that thread's
+ * allocation record must come after this one in the ring.
  */
 SEC("uprobe/aclrtFree")
-int uprobe_aclrt_free(struct npu_regs *ctx)
-{
-	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	if (!traced(pid_tgid))
-		return 0;
-	struct npu_event *e = reserve(pid_tgid, NPU_FN_FREE, NPU_EV_ENTRY, 0);
-	if (!e)
-		return 0;
-	e->addr = NPU_ARG0(ctx);
-	bpf_ringbuf_submit(e, 0);
-	return 0;
-}
+int uprobe_aclrt_free(struct npu_regs *ctx) { return record_entry(NPU_FN_FREE, NPU_ARG0(ctx)); }
 
 /* --- the calling thread's device --- */
 
@@ -431,11 +547,10 @@ int uretprobe_aclrt_set_device(struct npu_regs *ctx)
 	if (take_entry(pid_tgid, NPU_FN_SET_DEVICE, &call))
 		return 0;
 	__s32 rc = (__s32)NPU_RET(ctx);
-	struct npu_event *e = reserve(pid_tgid, NPU_FN_SET_DEVICE, rc ? NPU_EV_FAILED : NPU_EV_RETURN, rc);
-	if (!e)
-		return 0;
-	e->arg = call.args[0];
-	bpf_ringbuf_submit(e, 0);
+	struct npu_event e;
+	init_event(&e, pid_tgid, NPU_FN_SET_DEVICE, rc ? NPU_EV_FAILED : NPU_EV_RETURN, rc);
+	e.arg = call.args[0];
+	emit(&e);
 	return 0;
 }
 
@@ -455,12 +570,11 @@ int uretprobe_aclrt_get_device(struct npu_regs *ctx)
 	if (take_entry(pid_tgid, NPU_FN_GET_DEVICE, &call))
 		return 0;
 	__s32 rc = (__s32)NPU_RET(ctx);
-	struct npu_event *e = reserve(pid_tgid, NPU_FN_GET_DEVICE, rc ? NPU_EV_FAILED : NPU_EV_RETURN, rc);
-	if (!e)
-		return 0;
+	struct npu_event e;
+	init_event(&e, pid_tgid, NPU_FN_GET_DEVICE, rc ? NPU_EV_FAILED : NPU_EV_RETURN, rc);
 	if (!rc)
-		e->arg = read_user_u32(call.args[0]);
-	bpf_ringbuf_submit(e, 0);
+		e.arg = read_user_u32(call.args[0]);
+	emit(&e);
 	return 0;
 }
 
@@ -482,18 +596,124 @@ int uretprobe_aclrt_get_mem_info(struct npu_regs *ctx)
 	if (take_entry(pid_tgid, NPU_FN_GET_MEM_INFO, &call))
 		return 0;
 	__s32 rc = (__s32)NPU_RET(ctx);
-	struct npu_event *e = reserve(pid_tgid, NPU_FN_GET_MEM_INFO, rc ? NPU_EV_FAILED : NPU_EV_RETURN, rc);
-	if (!e)
-		return 0;
-	e->arg = call.args[0];
+	struct npu_event e;
+	init_event(&e, pid_tgid, NPU_FN_GET_MEM_INFO, rc ? NPU_EV_FAILED : NPU_EV_RETURN, rc);
+	e.arg = call.args[0];
 	if (!rc) {
-		e->addr = read_user_u64(call.args[1]);
-		e->size = read_user_u64(call.args[2]);
+		e.addr = read_user_u64(call.args[1]);
+		e.size = read_user_u64(call.args[2]);
 	}
-	fill_ctx(e, pid_tgid);
-	bpf_ringbuf_submit(e, 0);
+	fill_ctx(&e, pid_tgid);
+	emit(&e);
 	return 0;
 }
+
+/* --- virtual memory: expandable segments --- */
+
+SEC("uprobe/aclrtReserveMemAddress")
+int uprobe_aclrt_reserve_mem_address(struct npu_regs *ctx)
+{
+	/* virPtr, size, alignment, expectPtr, flags */
+	return save_entry(NPU_FN_RESERVE_MEM_ADDRESS, NPU_ARG0(ctx), NPU_ARG1(ctx), NPU_ARG4(ctx), 0);
+}
+
+SEC("uretprobe/aclrtReserveMemAddress")
+int uretprobe_aclrt_reserve_mem_address(struct npu_regs *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	if (!traced(pid_tgid))
+		return 0;
+	struct pending_call call;
+	if (take_entry(pid_tgid, NPU_FN_RESERVE_MEM_ADDRESS, &call))
+		return 0;
+	__s32 rc = (__s32)NPU_RET(ctx);
+	struct npu_event e;
+	init_event(&e, pid_tgid, NPU_FN_RESERVE_MEM_ADDRESS, outcome(rc), rc);
+	e.size = call.args[1];
+	e.arg = call.args[2];
+	fill_ctx(&e, pid_tgid);
+	if (!rc) {
+		e.addr = read_user_u64(call.args[0]);
+		live_put(pid_tgid, LIVE_RESERVATION, e.addr, e.size, e.ctx_stream, ctx_device_or_unknown(&e), e.flags);
+	}
+	emit(&e);
+	return 0;
+}
+
+SEC("uprobe/aclrtReleaseMemAddress")
+int uprobe_aclrt_release_mem_address(struct npu_regs *ctx) { return record_entry(NPU_FN_RELEASE_MEM_ADDRESS, NPU_ARG0(ctx)); }
+
+SEC("uprobe/aclrtMallocPhysical")
+int uprobe_aclrt_malloc_physical(struct npu_regs *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	if (!traced(pid_tgid))
+		return 0;
+	/* The device is prop->location.id (+12), the memory kind prop->memAttr
+	 * (+8): read them now, the caller may reuse prop afterwards. */
+	__u64 prop = NPU_ARG2(ctx);
+	__u64 dev = read_user_u32(prop + 12);
+	__u64 attr = read_user_u32(prop + 8);
+	return save_entry(NPU_FN_MALLOC_PHYSICAL, NPU_ARG0(ctx), NPU_ARG1(ctx), dev | (attr << 32), 0);
+}
+
+SEC("uretprobe/aclrtMallocPhysical")
+int uretprobe_aclrt_malloc_physical(struct npu_regs *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	if (!traced(pid_tgid))
+		return 0;
+	struct pending_call call;
+	if (take_entry(pid_tgid, NPU_FN_MALLOC_PHYSICAL, &call))
+		return 0;
+	__s32 rc = (__s32)NPU_RET(ctx);
+	struct npu_event e;
+	init_event(&e, pid_tgid, NPU_FN_MALLOC_PHYSICAL, outcome(rc), rc);
+	e.size = call.args[1];
+	e.arg = call.args[2];
+	fill_ctx(&e, pid_tgid);
+	if (!rc)
+		e.addr = read_user_u64(call.args[0]);
+	emit(&e);
+	return 0;
+}
+
+SEC("uprobe/aclrtFreePhysical")
+int uprobe_aclrt_free_physical(struct npu_regs *ctx) { return record_entry(NPU_FN_FREE_PHYSICAL, NPU_ARG0(ctx)); }
+
+SEC("uprobe/aclrtMapMem")
+int uprobe_aclrt_map_mem(struct npu_regs *ctx)
+{
+	/* virPtr, size, offset, handle, flags */
+	return save_entry(NPU_FN_MAP_MEM, NPU_ARG0(ctx), NPU_ARG1(ctx), NPU_ARG3(ctx), 0);
+}
+
+/* Recorded at return: a mapping exists once the call succeeded. */
+SEC("uretprobe/aclrtMapMem")
+int uretprobe_aclrt_map_mem(struct npu_regs *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	if (!traced(pid_tgid))
+		return 0;
+	struct pending_call call;
+	if (take_entry(pid_tgid, NPU_FN_MAP_MEM, &call))
+		return 0;
+	__s32 rc = (__s32)NPU_RET(ctx);
+	struct npu_event e;
+	init_event(&e, pid_tgid, NPU_FN_MAP_MEM, outcome(rc), rc);
+	e.addr = call.args[0];
+	e.size = call.args[1];
+	e.arg = call.args[2];
+	fill_ctx(&e, pid_tgid);
+	if (!rc)
+		live_put(pid_tgid, LIVE_MAPPING, e.addr, e.size, e.arg, ctx_device_or_unknown(&e), e.flags);
+	emit(&e);
+	return 0;
+}
+
+/* At entry, like frees: the range can be mapped again as soon as it is unmapped. */
+SEC("uprobe/aclrtUnmapMem")
+int uprobe_aclrt_unmap_mem(struct npu_regs *ctx) { return record_entry(NPU_FN_UNMAP_MEM, NPU_ARG0(ctx)); }
 
 /* --- torch_npu's caching allocator: tensor level ---
  *
@@ -508,9 +728,9 @@ int uretprobe_aclrt_get_mem_info(struct npu_regs *ctx)
 
 /*
  * A new allocation on this thread means any earlier one is over, even if
- * it ended by a C++ exception (the OOM path throws) that skipped its
- * uretprobe: drop its stale malloc entry so it cannot lend its context to
- * later runtime calls.
+ * it ended by a C++ exception (the OOM path throws) that skipped its return
+ * site: drop its stale malloc entry so it cannot lend its context to later
+ * runtime calls.
  */
 static __always_inline void forget_torch_malloc(__u64 pid_tgid)
 {
@@ -528,6 +748,14 @@ static __always_inline void fill_from_last_malloc(struct npu_event *e, __u64 pid
 	e->ctx_device = m->device;
 	e->flags |= NPU_EVF_CTX_STREAM | NPU_EVF_CTX_DEVICE;
 	bpf_map_delete_elem(&last_mallocs, &pid_tgid);
+}
+
+/* Device index of a tensor allocation: the DataPtr's, else its malloc's. */
+static __always_inline __s32 block_device(struct npu_event *e)
+{
+	if ((e->arg >> 8) == 20) /* c10::DeviceType::PrivateUse1 */
+		return (__s32)(e->arg & 0xff);
+	return ctx_device_or_unknown(e);
 }
 
 /*
@@ -554,36 +782,26 @@ int uprobe_torch_allocate_return(struct npu_regs *ctx)
 	struct pending_call call;
 	if (take_entry(pid_tgid, NPU_FN_TORCH_ALLOCATE, &call))
 		return 0;
-	struct npu_event *e = reserve(pid_tgid, NPU_FN_TORCH_ALLOCATE, NPU_EV_RETURN, 0);
-	if (!e)
-		return 0;
+	struct npu_event e;
+	init_event(&e, pid_tgid, NPU_FN_TORCH_ALLOCATE, NPU_EV_RETURN, 0);
 	/* DataPtr: data pointer at 0, device {int8 type, int8 index} at 24. */
 	__u64 sret = call.args[0];
-	e->addr = read_user_u64(sret);
+	e.addr = read_user_u64(sret);
 	__u8 dev[2] = {0, 0};
 	if (bpf_probe_read_user(dev, sizeof(dev), (const void *)(sret + 24)))
 		count(NPU_CTR_READ_FAILED);
-	e->arg = ((__u64)dev[0] << 8) | dev[1];
-	e->size = call.args[1];
-	fill_from_last_malloc(e, pid_tgid, e->addr);
-	bpf_ringbuf_submit(e, 0);
+	e.arg = ((__u64)dev[0] << 8) | dev[1];
+	e.size = call.args[1];
+	fill_from_last_malloc(&e, pid_tgid, e.addr);
+	if (e.addr)
+		live_put(pid_tgid, LIVE_BLOCK, e.addr, e.size, e.ctx_stream, block_device(&e), e.flags);
+	emit(&e);
 	return 0;
 }
 
 /* Every tensor's DataPtr calls it through a stored function pointer. */
 SEC("uprobe/torch_local_raw_delete")
-int uprobe_torch_local_raw_delete(struct npu_regs *ctx)
-{
-	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	if (!traced(pid_tgid))
-		return 0;
-	struct npu_event *e = reserve(pid_tgid, NPU_FN_TORCH_LOCAL_RAW_DELETE, NPU_EV_ENTRY, 0);
-	if (!e)
-		return 0;
-	e->addr = NPU_ARG0(ctx);
-	bpf_ringbuf_submit(e, 0);
-	return 0;
-}
+int uprobe_torch_local_raw_delete(struct npu_regs *ctx) { return record_entry(NPU_FN_TORCH_LOCAL_RAW_DELETE, NPU_ARG0(ctx)); }
 
 static __always_inline int raw_alloc_entry(struct npu_regs *ctx, __u8 fn)
 {
@@ -603,17 +821,18 @@ static __always_inline int raw_alloc_return(struct npu_regs *ctx, __u8 fn)
 	struct pending_call call;
 	if (take_entry(pid_tgid, fn, &call))
 		return 0;
-	struct npu_event *e = reserve(pid_tgid, fn, NPU_EV_RETURN, 0);
-	if (!e)
-		return 0;
-	e->addr = NPU_RET(ctx);
-	e->size = call.args[0];
+	struct npu_event e;
+	init_event(&e, pid_tgid, fn, NPU_EV_RETURN, 0);
+	e.addr = NPU_RET(ctx);
+	e.size = call.args[0];
 	if (fn == NPU_FN_TORCH_RAW_ALLOC_STREAM) {
-		e->ctx_stream = call.args[1];
-		e->flags |= NPU_EVF_CTX_STREAM;
+		e.ctx_stream = call.args[1];
+		e.flags |= NPU_EVF_CTX_STREAM;
 	}
-	fill_from_last_malloc(e, pid_tgid, e->addr);
-	bpf_ringbuf_submit(e, 0);
+	fill_from_last_malloc(&e, pid_tgid, e.addr);
+	if (e.addr)
+		live_put(pid_tgid, LIVE_BLOCK, e.addr, e.size, e.ctx_stream, block_device(&e), e.flags);
+	emit(&e);
 	return 0;
 }
 
@@ -630,18 +849,7 @@ SEC("uprobe/torch_raw_alloc_with_stream_return")
 int uprobe_torch_raw_alloc_with_stream_return(struct npu_regs *ctx) { return raw_alloc_return(ctx, NPU_FN_TORCH_RAW_ALLOC_STREAM); }
 
 SEC("uprobe/torch_raw_delete")
-int uprobe_torch_raw_delete(struct npu_regs *ctx)
-{
-	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	if (!traced(pid_tgid))
-		return 0;
-	struct npu_event *e = reserve(pid_tgid, NPU_FN_TORCH_RAW_DELETE, NPU_EV_ENTRY, 0);
-	if (!e)
-		return 0;
-	e->addr = NPU_ARG1(ctx); /* this, ptr */
-	bpf_ringbuf_submit(e, 0);
-	return 0;
-}
+int uprobe_torch_raw_delete(struct npu_regs *ctx) { return record_entry(NPU_FN_TORCH_RAW_DELETE, NPU_ARG1(ctx)); /* this, ptr */ }
 
 /*
  * NpuCachingAllocator::malloc is called directly and may be inlined into
@@ -672,3 +880,103 @@ int uprobe_torch_malloc_return(struct npu_regs *ctx)
 	bpf_map_update_elem(&last_mallocs, &pid_tgid, &m, BPF_ANY);
 	return 0;
 }
+
+/* --- libraries loaded late: dlopen of the runtime or torch_npu --- */
+
+#define NAME_BUF 256
+#define NAME_SCAN (NAME_BUF - 16)
+
+static __always_inline int match_at(const char *s, int i, const char *pat, int n)
+{
+	for (int k = 0; k < n; k++)
+		if (s[i + k] != pat[k])
+			return 0;
+	return 1;
+}
+
+/* Whether a dlopen()ed name is one whose loading npuprobe must act on. */
+static __always_inline int names_npu_library(const char *name)
+{
+	for (int i = 0; i < NAME_SCAN; i++) {
+		char c = name[i];
+		if (c == 0)
+			return 0;
+		if (c == 'a' && (match_at(name, i, "ascendcl", 8) || match_at(name, i, "acl_rt", 6)))
+			return 1;
+		if (c == 't' && match_at(name, i, "torch_npu", 9))
+			return 1;
+	}
+	return 0;
+}
+
+static __always_inline int watched(__u64 pid_tgid)
+{
+	__u32 tgid = pid_tgid >> 32;
+	return cfg_trace_all || bpf_map_lookup_elem(&watched_tgids, &tgid) != 0;
+}
+
+SEC("uprobe/dlopen")
+int uprobe_dlopen(struct npu_regs *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	if (!watched(pid_tgid))
+		return 0;
+	struct pending_key key = {.pid_tgid = pid_tgid, .fn = NPU_FN_DLOPEN};
+	struct pending_call call = {.args = {NPU_ARG0(ctx), 0, 0, 0}};
+	if (bpf_map_update_elem(&pending, &key, &call, BPF_ANY))
+		count(NPU_CTR_PENDING_FULL);
+	return 0;
+}
+
+/*
+ * dlopen has returned: the library and its dependencies are mapped and
+ * initialised, and the process is about to call into them. With
+ * cfg_stop_on_load the process is stopped here, so that the agent can
+ * attach before its first call, and continued by the agent.
+ */
+SEC("uretprobe/dlopen")
+int uretprobe_dlopen(struct npu_regs *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	if (!watched(pid_tgid))
+		return 0;
+	struct pending_key key = {.pid_tgid = pid_tgid, .fn = NPU_FN_DLOPEN};
+	struct pending_call *call = bpf_map_lookup_elem(&pending, &key);
+	if (!call)
+		return 0;
+	__u64 name_ptr = call->args[0];
+	bpf_map_delete_elem(&pending, &key);
+	__u64 handle = NPU_RET(ctx);
+	if (!handle || !name_ptr)
+		return 0;
+	char name[NAME_BUF];
+	if (bpf_probe_read_user_str(name, sizeof(name), (const void *)name_ptr) <= 0)
+		return 0;
+	if (!names_npu_library(name))
+		return 0;
+	struct npu_event e;
+	init_event(&e, pid_tgid, NPU_FN_DLOPEN, NPU_EV_RETURN, 0);
+	e.addr = handle;
+	if (cfg_stop_on_load && bpf_send_signal(19 /* SIGSTOP */) == 0) {
+		e.flags |= NPU_EVF_STOPPED;
+		count(NPU_CTR_STOPPED);
+	}
+	emit(&e);
+	return 0;
+}
+
+/* --all: a process image was replaced; the agent looks at its libraries. */
+SEC("tracepoint/sched/sched_process_exec")
+int tracepoint_sched_process_exec(void *ctx)
+{
+	if (!cfg_trace_all)
+		return 0;
+	struct npu_event e;
+	init_event(&e, bpf_get_current_pid_tgid(), NPU_FN_EXEC, NPU_EV_ENTRY, 0);
+	emit(&e);
+	return 0;
+}
+
+/* The benchmark's floor: attached where npuprobe attaches, does nothing. */
+SEC("uprobe/noop")
+int uprobe_noop(void *ctx) { return 0; }

@@ -21,6 +21,21 @@ type NpuprobeLastMalloc struct {
 	Pad    uint32
 }
 
+type NpuprobeLiveKey struct {
+	_    structs.HostLayout
+	Tgid uint32
+	Kind uint32
+	Addr uint64
+}
+
+type NpuprobeLiveVal struct {
+	_      structs.HostLayout
+	Size   uint64
+	Stream uint64
+	Device int32
+	Flags  uint32
+}
+
 type NpuprobeNpuEvent struct {
 	_         structs.HostLayout
 	Seq       uint64
@@ -60,15 +75,26 @@ const (
 	NpuprobeMapCounters                             = "counters"
 	NpuprobeMapEvents                               = "events"
 	NpuprobeMapLastMallocs                          = "last_mallocs"
+	NpuprobeMapLive                                 = "live"
 	NpuprobeMapPending                              = "pending"
 	NpuprobeMapTracedTgids                          = "traced_tgids"
+	NpuprobeMapWatchedTgids                         = "watched_tgids"
+	NpuprobeProgTracepointSchedProcessExec          = "tracepoint_sched_process_exec"
 	NpuprobeProgUprobeAclrtFree                     = "uprobe_aclrt_free"
+	NpuprobeProgUprobeAclrtFreePhysical             = "uprobe_aclrt_free_physical"
 	NpuprobeProgUprobeAclrtGetDevice                = "uprobe_aclrt_get_device"
 	NpuprobeProgUprobeAclrtGetMemInfo               = "uprobe_aclrt_get_mem_info"
 	NpuprobeProgUprobeAclrtMalloc                   = "uprobe_aclrt_malloc"
 	NpuprobeProgUprobeAclrtMallocAlign32            = "uprobe_aclrt_malloc_align32"
 	NpuprobeProgUprobeAclrtMallocCached             = "uprobe_aclrt_malloc_cached"
+	NpuprobeProgUprobeAclrtMallocPhysical           = "uprobe_aclrt_malloc_physical"
+	NpuprobeProgUprobeAclrtMapMem                   = "uprobe_aclrt_map_mem"
+	NpuprobeProgUprobeAclrtReleaseMemAddress        = "uprobe_aclrt_release_mem_address"
+	NpuprobeProgUprobeAclrtReserveMemAddress        = "uprobe_aclrt_reserve_mem_address"
 	NpuprobeProgUprobeAclrtSetDevice                = "uprobe_aclrt_set_device"
+	NpuprobeProgUprobeAclrtUnmapMem                 = "uprobe_aclrt_unmap_mem"
+	NpuprobeProgUprobeDlopen                        = "uprobe_dlopen"
+	NpuprobeProgUprobeNoop                          = "uprobe_noop"
 	NpuprobeProgUprobeTorchAllocate                 = "uprobe_torch_allocate"
 	NpuprobeProgUprobeTorchAllocateReturn           = "uprobe_torch_allocate_return"
 	NpuprobeProgUprobeTorchLocalRawDelete           = "uprobe_torch_local_raw_delete"
@@ -84,7 +110,13 @@ const (
 	NpuprobeProgUretprobeAclrtMalloc                = "uretprobe_aclrt_malloc"
 	NpuprobeProgUretprobeAclrtMallocAlign32         = "uretprobe_aclrt_malloc_align32"
 	NpuprobeProgUretprobeAclrtMallocCached          = "uretprobe_aclrt_malloc_cached"
+	NpuprobeProgUretprobeAclrtMallocPhysical        = "uretprobe_aclrt_malloc_physical"
+	NpuprobeProgUretprobeAclrtMapMem                = "uretprobe_aclrt_map_mem"
+	NpuprobeProgUretprobeAclrtReserveMemAddress     = "uretprobe_aclrt_reserve_mem_address"
 	NpuprobeProgUretprobeAclrtSetDevice             = "uretprobe_aclrt_set_device"
+	NpuprobeProgUretprobeDlopen                     = "uretprobe_dlopen"
+	NpuprobeVarCfgStopOnLoad                        = "cfg_stop_on_load"
+	NpuprobeVarCfgTraceAll                          = "cfg_trace_all"
 	NpuprobeVarNpuEventBtfAnchor                    = "npu_event_btf_anchor"
 )
 
@@ -130,13 +162,22 @@ type NpuprobeSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type NpuprobeProgramSpecs struct {
+	TracepointSchedProcessExec          *ebpf.ProgramSpec `ebpf:"tracepoint_sched_process_exec"`
 	UprobeAclrtFree                     *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_free"`
+	UprobeAclrtFreePhysical             *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_free_physical"`
 	UprobeAclrtGetDevice                *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_get_device"`
 	UprobeAclrtGetMemInfo               *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_get_mem_info"`
 	UprobeAclrtMalloc                   *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_malloc"`
 	UprobeAclrtMallocAlign32            *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_malloc_align32"`
 	UprobeAclrtMallocCached             *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_malloc_cached"`
+	UprobeAclrtMallocPhysical           *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_malloc_physical"`
+	UprobeAclrtMapMem                   *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_map_mem"`
+	UprobeAclrtReleaseMemAddress        *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_release_mem_address"`
+	UprobeAclrtReserveMemAddress        *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_reserve_mem_address"`
 	UprobeAclrtSetDevice                *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_set_device"`
+	UprobeAclrtUnmapMem                 *ebpf.ProgramSpec `ebpf:"uprobe_aclrt_unmap_mem"`
+	UprobeDlopen                        *ebpf.ProgramSpec `ebpf:"uprobe_dlopen"`
+	UprobeNoop                          *ebpf.ProgramSpec `ebpf:"uprobe_noop"`
 	UprobeTorchAllocate                 *ebpf.ProgramSpec `ebpf:"uprobe_torch_allocate"`
 	UprobeTorchAllocateReturn           *ebpf.ProgramSpec `ebpf:"uprobe_torch_allocate_return"`
 	UprobeTorchLocalRawDelete           *ebpf.ProgramSpec `ebpf:"uprobe_torch_local_raw_delete"`
@@ -152,24 +193,32 @@ type NpuprobeProgramSpecs struct {
 	UretprobeAclrtMalloc                *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_malloc"`
 	UretprobeAclrtMallocAlign32         *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_malloc_align32"`
 	UretprobeAclrtMallocCached          *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_malloc_cached"`
+	UretprobeAclrtMallocPhysical        *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_malloc_physical"`
+	UretprobeAclrtMapMem                *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_map_mem"`
+	UretprobeAclrtReserveMemAddress     *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_reserve_mem_address"`
 	UretprobeAclrtSetDevice             *ebpf.ProgramSpec `ebpf:"uretprobe_aclrt_set_device"`
+	UretprobeDlopen                     *ebpf.ProgramSpec `ebpf:"uretprobe_dlopen"`
 }
 
 // NpuprobeMapSpecs contains maps before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type NpuprobeMapSpecs struct {
-	Counters    *ebpf.MapSpec `ebpf:"counters"`
-	Events      *ebpf.MapSpec `ebpf:"events"`
-	LastMallocs *ebpf.MapSpec `ebpf:"last_mallocs"`
-	Pending     *ebpf.MapSpec `ebpf:"pending"`
-	TracedTgids *ebpf.MapSpec `ebpf:"traced_tgids"`
+	Counters     *ebpf.MapSpec `ebpf:"counters"`
+	Events       *ebpf.MapSpec `ebpf:"events"`
+	LastMallocs  *ebpf.MapSpec `ebpf:"last_mallocs"`
+	Live         *ebpf.MapSpec `ebpf:"live"`
+	Pending      *ebpf.MapSpec `ebpf:"pending"`
+	TracedTgids  *ebpf.MapSpec `ebpf:"traced_tgids"`
+	WatchedTgids *ebpf.MapSpec `ebpf:"watched_tgids"`
 }
 
 // NpuprobeVariableSpecs contains global variables before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type NpuprobeVariableSpecs struct {
+	CfgStopOnLoad     *ebpf.VariableSpec `ebpf:"cfg_stop_on_load"`
+	CfgTraceAll       *ebpf.VariableSpec `ebpf:"cfg_trace_all"`
 	NpuEventBtfAnchor *ebpf.VariableSpec `ebpf:"npu_event_btf_anchor"`
 }
 
@@ -193,11 +242,13 @@ func (o *NpuprobeObjects) Close() error {
 //
 // It can be passed to LoadNpuprobeObjects or ebpf.CollectionSpec.LoadAndAssign.
 type NpuprobeMaps struct {
-	Counters    *ebpf.Map `ebpf:"counters"`
-	Events      *ebpf.Map `ebpf:"events"`
-	LastMallocs *ebpf.Map `ebpf:"last_mallocs"`
-	Pending     *ebpf.Map `ebpf:"pending"`
-	TracedTgids *ebpf.Map `ebpf:"traced_tgids"`
+	Counters     *ebpf.Map `ebpf:"counters"`
+	Events       *ebpf.Map `ebpf:"events"`
+	LastMallocs  *ebpf.Map `ebpf:"last_mallocs"`
+	Live         *ebpf.Map `ebpf:"live"`
+	Pending      *ebpf.Map `ebpf:"pending"`
+	TracedTgids  *ebpf.Map `ebpf:"traced_tgids"`
+	WatchedTgids *ebpf.Map `ebpf:"watched_tgids"`
 }
 
 func (m *NpuprobeMaps) Close() error {
@@ -205,8 +256,10 @@ func (m *NpuprobeMaps) Close() error {
 		m.Counters,
 		m.Events,
 		m.LastMallocs,
+		m.Live,
 		m.Pending,
 		m.TracedTgids,
+		m.WatchedTgids,
 	)
 }
 
@@ -214,6 +267,8 @@ func (m *NpuprobeMaps) Close() error {
 //
 // It can be passed to LoadNpuprobeObjects or ebpf.CollectionSpec.LoadAndAssign.
 type NpuprobeVariables struct {
+	CfgStopOnLoad     *ebpf.Variable `ebpf:"cfg_stop_on_load"`
+	CfgTraceAll       *ebpf.Variable `ebpf:"cfg_trace_all"`
 	NpuEventBtfAnchor *ebpf.Variable `ebpf:"npu_event_btf_anchor"`
 }
 
@@ -221,13 +276,22 @@ type NpuprobeVariables struct {
 //
 // It can be passed to LoadNpuprobeObjects or ebpf.CollectionSpec.LoadAndAssign.
 type NpuprobePrograms struct {
+	TracepointSchedProcessExec          *ebpf.Program `ebpf:"tracepoint_sched_process_exec"`
 	UprobeAclrtFree                     *ebpf.Program `ebpf:"uprobe_aclrt_free"`
+	UprobeAclrtFreePhysical             *ebpf.Program `ebpf:"uprobe_aclrt_free_physical"`
 	UprobeAclrtGetDevice                *ebpf.Program `ebpf:"uprobe_aclrt_get_device"`
 	UprobeAclrtGetMemInfo               *ebpf.Program `ebpf:"uprobe_aclrt_get_mem_info"`
 	UprobeAclrtMalloc                   *ebpf.Program `ebpf:"uprobe_aclrt_malloc"`
 	UprobeAclrtMallocAlign32            *ebpf.Program `ebpf:"uprobe_aclrt_malloc_align32"`
 	UprobeAclrtMallocCached             *ebpf.Program `ebpf:"uprobe_aclrt_malloc_cached"`
+	UprobeAclrtMallocPhysical           *ebpf.Program `ebpf:"uprobe_aclrt_malloc_physical"`
+	UprobeAclrtMapMem                   *ebpf.Program `ebpf:"uprobe_aclrt_map_mem"`
+	UprobeAclrtReleaseMemAddress        *ebpf.Program `ebpf:"uprobe_aclrt_release_mem_address"`
+	UprobeAclrtReserveMemAddress        *ebpf.Program `ebpf:"uprobe_aclrt_reserve_mem_address"`
 	UprobeAclrtSetDevice                *ebpf.Program `ebpf:"uprobe_aclrt_set_device"`
+	UprobeAclrtUnmapMem                 *ebpf.Program `ebpf:"uprobe_aclrt_unmap_mem"`
+	UprobeDlopen                        *ebpf.Program `ebpf:"uprobe_dlopen"`
+	UprobeNoop                          *ebpf.Program `ebpf:"uprobe_noop"`
 	UprobeTorchAllocate                 *ebpf.Program `ebpf:"uprobe_torch_allocate"`
 	UprobeTorchAllocateReturn           *ebpf.Program `ebpf:"uprobe_torch_allocate_return"`
 	UprobeTorchLocalRawDelete           *ebpf.Program `ebpf:"uprobe_torch_local_raw_delete"`
@@ -243,18 +307,31 @@ type NpuprobePrograms struct {
 	UretprobeAclrtMalloc                *ebpf.Program `ebpf:"uretprobe_aclrt_malloc"`
 	UretprobeAclrtMallocAlign32         *ebpf.Program `ebpf:"uretprobe_aclrt_malloc_align32"`
 	UretprobeAclrtMallocCached          *ebpf.Program `ebpf:"uretprobe_aclrt_malloc_cached"`
+	UretprobeAclrtMallocPhysical        *ebpf.Program `ebpf:"uretprobe_aclrt_malloc_physical"`
+	UretprobeAclrtMapMem                *ebpf.Program `ebpf:"uretprobe_aclrt_map_mem"`
+	UretprobeAclrtReserveMemAddress     *ebpf.Program `ebpf:"uretprobe_aclrt_reserve_mem_address"`
 	UretprobeAclrtSetDevice             *ebpf.Program `ebpf:"uretprobe_aclrt_set_device"`
+	UretprobeDlopen                     *ebpf.Program `ebpf:"uretprobe_dlopen"`
 }
 
 func (p *NpuprobePrograms) Close() error {
 	return _NpuprobeClose(
+		p.TracepointSchedProcessExec,
 		p.UprobeAclrtFree,
+		p.UprobeAclrtFreePhysical,
 		p.UprobeAclrtGetDevice,
 		p.UprobeAclrtGetMemInfo,
 		p.UprobeAclrtMalloc,
 		p.UprobeAclrtMallocAlign32,
 		p.UprobeAclrtMallocCached,
+		p.UprobeAclrtMallocPhysical,
+		p.UprobeAclrtMapMem,
+		p.UprobeAclrtReleaseMemAddress,
+		p.UprobeAclrtReserveMemAddress,
 		p.UprobeAclrtSetDevice,
+		p.UprobeAclrtUnmapMem,
+		p.UprobeDlopen,
+		p.UprobeNoop,
 		p.UprobeTorchAllocate,
 		p.UprobeTorchAllocateReturn,
 		p.UprobeTorchLocalRawDelete,
@@ -270,7 +347,11 @@ func (p *NpuprobePrograms) Close() error {
 		p.UretprobeAclrtMalloc,
 		p.UretprobeAclrtMallocAlign32,
 		p.UretprobeAclrtMallocCached,
+		p.UretprobeAclrtMallocPhysical,
+		p.UretprobeAclrtMapMem,
+		p.UretprobeAclrtReserveMemAddress,
 		p.UretprobeAclrtSetDevice,
+		p.UretprobeDlopen,
 	)
 }
 

@@ -18,11 +18,8 @@ import (
 var version = "dev"
 
 // How often the calibration of CLOCK_MONOTONIC against CLOCK_REALTIME is
-// refreshed between snapshots, and how many bracketed pairs it takes.
-const (
-	calibrationInterval = time.Minute
-	calibrationPairs    = 1000
-)
+// refreshed between snapshots (every snapshot recalibrates too).
+const calibrationInterval = time.Minute
 
 // pollInterval bounds how long the event loop waits for a record before it
 // looks at requests (signals, exits, status).
@@ -52,8 +49,10 @@ type request struct {
 // access happens on the loop's goroutine, so the model needs no locks.
 type session struct {
 	tracer     *agent.Tracer
+	tracker    *clock.Tracker
 	conv       *clock.Converter
 	clk        clock.Source
+	stopSteps  func()
 	dir        *output.Dir
 	host       string
 	maxEntries int
@@ -70,10 +69,21 @@ type session struct {
 func newSession(tracer *agent.Tracer, dir *output.Dir, maxEntries int, log io.Writer) *session {
 	host, _ := os.Hostname()
 	clk := clock.System{}
+	tracker := clock.NewTracker(clk, clock.DefaultPairs)
+	// A wall-clock step (settimeofday, an NTP step) is noticed the moment it
+	// happens, so events before it keep the old offset.
+	stopSteps := func() {}
+	if det, err := clock.NewStepDetector(); err != nil {
+		fmt.Fprintf(log, "npuprobe: cannot watch for wall-clock steps (%v); a step will be seen at the next calibration\n", err)
+	} else {
+		stopSteps = tracker.WatchSteps(det)
+	}
 	return &session{
 		tracer:     tracer,
-		conv:       clock.NewConverter(clock.Calibrate(clk, calibrationPairs)),
+		tracker:    tracker,
+		conv:       tracker.Converter(),
 		clk:        clk,
+		stopSteps:  stopSteps,
 		dir:        dir,
 		host:       host,
 		maxEntries: maxEntries,
@@ -131,6 +141,7 @@ func (s *session) requestSnapshot(reason string, stop bool) []string {
 // event stamped after the request arrives, whichever comes first, so a busy
 // process cannot postpone a snapshot indefinitely.
 func (s *session) run() error {
+	defer s.stopSteps()
 	var ev allocmodel.Event
 	var pending []request
 	lastCal := time.Now()
@@ -180,7 +191,7 @@ func (s *session) run() error {
 			return nil
 		}
 		if time.Since(lastCal) > calibrationInterval {
-			s.conv.Add(clock.Calibrate(s.clk, calibrationPairs))
+			s.tracker.Recalibrate()
 			lastCal = time.Now()
 		}
 		s.status.maybePrint(s.statusText)
@@ -246,7 +257,7 @@ func (s *session) serve(r *request) bool {
 // writing failed, which is reported).
 func (s *session) writeSnapshot(p *traced, reason string) []string {
 	snap := p.model.Snapshot()
-	s.conv.Add(clock.Calibrate(s.clk, calibrationPairs))
+	s.tracker.Recalibrate()
 	for _, trace := range snap.Traces {
 		s.conv.StampTrace(trace)
 	}
@@ -275,7 +286,10 @@ func (s *session) settings(p *traced, snap *allocmodel.Snapshot, loss agent.Loss
 	for _, n := range snap.Overwritten {
 		overwritten += n
 	}
-	cal := s.conv.Latest()
+	var clockSettings []output.Setting
+	for _, f := range s.tracker.Metadata().Fields() {
+		clockSettings = append(clockSettings, output.Setting{Key: f.Key, Value: f.Value})
+	}
 	st := []output.Setting{
 		{Key: "npuprobe_version", Value: version},
 		{Key: "npuprobe_level", Value: snap.Level.String()},
@@ -338,11 +352,7 @@ func (s *session) settings(p *traced, snap *allocmodel.Snapshot, loss agent.Loss
 			{Key: "segments_freed_with_live_blocks", Value: snap.Counters.SegmentsFreedWithLiveBlocks},
 			{Key: "runtime_allocations_outside_allocator", Value: snap.Counters.RuntimeAllocsOutside},
 		}},
-		output.Setting{Key: "npuprobe_clock", Value: []output.Setting{
-			{Key: "event_clock", Value: "CLOCK_MONOTONIC (bpf_ktime_get_ns)"},
-			{Key: "calibrated_against", Value: "CLOCK_REALTIME"},
-			{Key: "calibration_error_ns", Value: cal.ErrorNs},
-		}},
+		output.Setting{Key: "npuprobe_clock", Value: clockSettings},
 	)
 	return st
 }
