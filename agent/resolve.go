@@ -45,8 +45,10 @@ func libraryRank(p string) int {
 }
 
 // targetELFs lists the distinct executable file mappings of pid, preferred
-// runtime libraries first, and keeps no file open.
-func targetELFs(pid int) ([]*mappedELF, error) {
+// runtime libraries first, and keeps no file open. Files named in preload
+// (LD_PRELOAD) rank before everything: the dynamic linker puts them first
+// in the global scope.
+func targetELFs(pid int, preload ...string) ([]*mappedELF, error) {
 	maps, err := readMaps(pid)
 	if err != nil {
 		return nil, err
@@ -66,7 +68,13 @@ func targetELFs(pid int) ([]*mappedELF, error) {
 			continue
 		}
 		seen[k] = true
-		out = append(out, &mappedELF{mapping: m, rank: libraryRank(m.Path)})
+		e := &mappedELF{mapping: m, rank: libraryRank(m.Path)}
+		for _, p := range preload {
+			if path.Base(p) == path.Base(m.Path) {
+				e.rank = -1
+			}
+		}
+		out = append(out, e)
 	}
 	sort.SliceStable(out, func(i, j int) bool { return out[i].rank < out[j].rank })
 	return out, nil
@@ -104,8 +112,8 @@ func (e *mappedELF) close() {
 // only if the required name is still unresolved, since a Python process maps
 // hundreds of libraries. Names defined nowhere are absent from the result.
 // The caller must close the returned files (closeELFs).
-func resolveSymbols(pid int, names []string, required string) (map[string]*symbolSite, []*mappedELF, error) {
-	elfs, err := targetELFs(pid)
+func resolveSymbols(pid int, names []string, required string, preload []string) (map[string]*symbolSite, []*mappedELF, error) {
+	elfs, err := targetELFs(pid, preload...)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -135,6 +143,8 @@ func resolveSymbols(pid int, names []string, required string) (map[string]*symbo
 			scan(e)
 		}
 	}
+	// A preloaded library is scanned for the sake of ordering only: keep it
+	// as the site only if it defines the name, which scan already ensured.
 	if sites[required] == nil {
 		for _, e := range elfs {
 			if e.rank == 2 {

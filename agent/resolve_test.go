@@ -119,7 +119,7 @@ func TestResolveSymbolsLiveProcess(t *testing.T) {
 	}
 
 	names := append(slices.Clone(apiFunctions), "npuprobeNoSuchFunction")
-	sites, used, err := resolveSymbols(w.pid, names, "aclrtMalloc")
+	sites, used, err := resolveSymbols(w.pid, names, "aclrtMalloc", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -153,7 +153,7 @@ func TestResolveSymbolsLiveProcess(t *testing.T) {
 
 	// A required name the runtime libraries lack makes the resolver read
 	// every other mapped file too: libc defines gettid.
-	sites2, used2, err := resolveSymbols(w.pid, []string{"aclrtFree", "gettid"}, "gettid")
+	sites2, used2, err := resolveSymbols(w.pid, []string{"aclrtFree", "gettid"}, "gettid", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -181,7 +181,7 @@ func TestResolveSymbolsCompatLayout(t *testing.T) {
 	want := expectedOffsets(t, fwd)
 	rtOffsets := expectedOffsets(t, rt)
 
-	sites, used, err := resolveSymbols(w.pid, apiFunctions, "aclrtMalloc")
+	sites, used, err := resolveSymbols(w.pid, apiFunctions, "aclrtMalloc", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -318,7 +318,7 @@ func TestOpenMappedFileAfterReplace(t *testing.T) {
 	check("mapping read after the replacement", after)
 
 	// The whole resolution reads the mapped file.
-	sites, used, err := resolveSymbols(w.pid, apiFunctions, "aclrtMalloc")
+	sites, used, err := resolveSymbols(w.pid, apiFunctions, "aclrtMalloc", nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -15,8 +15,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path"
-	"strings"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -39,6 +37,12 @@ type Options struct {
 	// RingBufferBytes is the BPF ring buffer's size: a power of two, at
 	// least one page.
 	RingBufferBytes int
+	// TraceAll makes every process that reaches a probe traced (--all);
+	// probes are then attached system-wide, once per library file.
+	TraceAll bool
+	// StopOnLoad stops a watched process right after it dlopen()s the
+	// runtime or torch_npu, so the agent attaches before its first call.
+	StopOnLoad bool
 }
 
 // probeSpec names the BPF programs attached to one runtime function.
@@ -57,6 +61,12 @@ var runtimeProbes = []probeSpec{
 	{"aclrtSetDevice", bpf.NpuprobeProgUprobeAclrtSetDevice, bpf.NpuprobeProgUretprobeAclrtSetDevice},
 	{"aclrtGetDevice", bpf.NpuprobeProgUprobeAclrtGetDevice, bpf.NpuprobeProgUretprobeAclrtGetDevice},
 	{"aclrtGetMemInfo", bpf.NpuprobeProgUprobeAclrtGetMemInfo, bpf.NpuprobeProgUretprobeAclrtGetMemInfo},
+	{"aclrtReserveMemAddress", bpf.NpuprobeProgUprobeAclrtReserveMemAddress, bpf.NpuprobeProgUretprobeAclrtReserveMemAddress},
+	{"aclrtReleaseMemAddress", bpf.NpuprobeProgUprobeAclrtReleaseMemAddress, ""},
+	{"aclrtMallocPhysical", bpf.NpuprobeProgUprobeAclrtMallocPhysical, bpf.NpuprobeProgUretprobeAclrtMallocPhysical},
+	{"aclrtFreePhysical", bpf.NpuprobeProgUprobeAclrtFreePhysical, ""},
+	{"aclrtMapMem", bpf.NpuprobeProgUprobeAclrtMapMem, bpf.NpuprobeProgUretprobeAclrtMapMem},
+	{"aclrtUnmapMem", bpf.NpuprobeProgUprobeAclrtUnmapMem, ""},
 }
 
 // Without these two there is nothing to trace.
@@ -116,13 +126,15 @@ type AttachOptions struct {
 
 // Tracer owns the loaded BPF objects and the ring buffer reader.
 type Tracer struct {
+	opts   Options
 	coll   *ebpf.Collection
 	reader *ringbuf.Reader
 	rec    ringbuf.Record
-	links  []link.Link
+	// Every probe attached, so that nothing is attached twice and a
+	// process's probes can be detached when it goes.
+	links map[attachKey]link.Link
 	// Per-CPU sequence tracking: the next number expected from each CPU.
 	nextSeq []uint64
-	seqSeen []bool
 	gapped  uint64 // records missing from per-CPU sequences
 	badRecs uint64 // records that failed to decode
 }
@@ -154,6 +166,19 @@ func NewTracer(opts Options) (*Tracer, error) {
 		return nil, err
 	}
 	spec.Maps[bpf.NpuprobeMapEvents].MaxEntries = uint32(opts.RingBufferBytes)
+	for name, on := range map[string]bool{"cfg_trace_all": opts.TraceAll, "cfg_stop_on_load": opts.StopOnLoad} {
+		v, ok := spec.Variables[name]
+		if !ok {
+			return nil, fmt.Errorf("BPF object has no %s", name)
+		}
+		var val uint32
+		if on {
+			val = 1
+		}
+		if err := v.Set(val); err != nil {
+			return nil, fmt.Errorf("set %s: %w", name, err)
+		}
+	}
 	coll, err := ebpf.NewCollection(spec)
 	if err != nil {
 		if errors.Is(err, unix.EPERM) || errors.Is(err, unix.EACCES) {
@@ -171,247 +196,29 @@ func NewTracer(opts Options) (*Tracer, error) {
 		coll.Close()
 		return nil, fmt.Errorf("open ring buffer: %w", err)
 	}
-	return &Tracer{coll: coll, reader: reader}, nil
+	t := &Tracer{opts: opts, coll: coll, reader: reader, links: make(map[attachKey]link.Link)}
+	if opts.TraceAll {
+		// Processes appearing: their libraries are looked at on exec.
+		l, err := link.Tracepoint("sched", "sched_process_exec", coll.Programs[bpf.NpuprobeProgTracepointSchedProcessExec], nil)
+		if err != nil {
+			t.Close()
+			return nil, &Error{Kind: ErrKernelFeature, What: "cannot attach to the sched_process_exec tracepoint", Err: err,
+				Fix: "--all needs tracepoints (CONFIG_TRACEPOINTS) and tracefs"}
+		}
+		t.links[attachKey{prog: bpf.NpuprobeProgTracepointSchedProcessExec}] = l
+	}
+	return t, nil
 }
 
 // Close detaches every probe and frees the BPF objects.
 func (t *Tracer) Close() error {
-	for _, l := range t.links {
+	for k, l := range t.links {
 		l.Close()
+		delete(t.links, k)
 	}
-	t.links = nil
 	err := t.reader.Close()
 	t.coll.Close()
 	return err
-}
-
-// Target describes a process being traced.
-type Target struct {
-	PID  int
-	Name string // comm
-	// Level is what was attached: allocmodel.LevelTensor when torch_npu's
-	// allocator is probed too.
-	Level allocmodel.Level
-	// TensorUnavailable says, in one line, why tensor level was not
-	// attached and how to get it; empty at tensor level.
-	TensorUnavailable string
-	// TorchSymbols says where torch_npu's hidden symbols came from.
-	TorchSymbols string
-	// Attached lists each probed symbol with the file (as the target
-	// sees it) it was attached in.
-	Attached map[string]string
-	// Missing lists optional symbols no mapped file defines.
-	Missing []string
-	// AlsoDefined lists, per symbol, other files defining it that were
-	// deliberately not attached.
-	AlsoDefined map[string][]string
-	// Warnings are things the user should know about what is attached.
-	Warnings []string
-}
-
-// Attach starts tracing pid: it adds the process to the BPF filter and
-// attaches the runtime probes where the process binds them, then, as the
-// options ask, torch_npu's caching-allocator probes.
-func (t *Tracer) Attach(pid int, opts AttachOptions) (*Target, error) {
-	st, err := checkProcess(pid)
-	if err != nil {
-		return nil, err
-	}
-	names := make([]string, len(runtimeProbes))
-	for i, p := range runtimeProbes {
-		names[i] = p.symbol
-	}
-	sites, files, err := resolveSymbols(pid, names, requiredSymbols[0])
-	if err != nil {
-		if errors.Is(err, os.ErrPermission) {
-			return nil, &Error{Kind: ErrPrivilege, What: fmt.Sprintf("cannot read the memory map of process %d", pid), Err: err,
-				Fix: "run as root or grant CAP_SYS_PTRACE"}
-		}
-		if errors.Is(err, os.ErrNotExist) {
-			return nil, noProcessError(pid)
-		}
-		return nil, fmt.Errorf("read mappings of process %d: %w", pid, err)
-	}
-	defer closeELFs(files)
-	for _, req := range requiredSymbols {
-		if sites[req] == nil {
-			return nil, &Error{Kind: ErrNoRuntime,
-				What: fmt.Sprintf("process %d (%s) has no CANN runtime mapped: no mapped library defines %s", pid, st.Name, req),
-				Fix:  "check the PID is the training process, and that it has imported torch_npu (libascendcl.so or libacl_rt.so must appear in /proc/" + fmt.Sprint(pid) + "/maps)"}
-		}
-	}
-
-	tgid := uint32(pid)
-	one := uint32(1)
-	if err := t.coll.Maps[bpf.NpuprobeMapTracedTgids].Update(&tgid, &one, ebpf.UpdateAny); err != nil {
-		return nil, fmt.Errorf("add process %d to the BPF filter: %w", pid, err)
-	}
-
-	target := &Target{PID: pid, Name: st.Name, Level: allocmodel.LevelSegment,
-		Attached: make(map[string]string), AlsoDefined: make(map[string][]string)}
-	for _, p := range runtimeProbes {
-		site := sites[p.symbol]
-		if site == nil {
-			target.Missing = append(target.Missing, p.symbol)
-			continue
-		}
-		if err := t.attachAt(site.elf.file, p.symbol, site.offset, pid, p.entry, p.ret); err != nil {
-			return nil, err
-		}
-		target.Attached[p.symbol] = site.elf.mapping.Path
-		if len(site.others) > 0 {
-			target.AlsoDefined[p.symbol] = site.others
-		}
-	}
-	if opts.Level == LevelSegment {
-		return target, nil
-	}
-	if err := t.attachTorch(pid, target, opts); err != nil {
-		return nil, err
-	}
-	return target, nil
-}
-
-// attachTorch attaches the caching-allocator probes in libtorch_npu.so when
-// its hidden symbols can be resolved. At LevelAuto an unresolvable library
-// leaves the target at segment level with TensorUnavailable saying why.
-func (t *Tracer) attachTorch(pid int, target *Target, opts AttachOptions) error {
-	unavailable := func(why string) error {
-		if opts.Level == LevelTensor {
-			return &Error{Kind: ErrNoSymbols, What: fmt.Sprintf("tensor level unavailable for process %d: %s", pid, why), Fix: symbolsFix}
-		}
-		target.TensorUnavailable = fmt.Sprintf("tensor level unavailable for process %d: %s; tracing segments only (%s)", pid, why, symbolsFix)
-		return nil
-	}
-	elfs, err := targetELFs(pid)
-	if err != nil {
-		return fmt.Errorf("read mappings of process %d: %w", pid, err)
-	}
-	var lib *mappedELF
-	for _, e := range elfs {
-		if strings.HasPrefix(path.Base(e.mapping.Path), "libtorch_npu.so") {
-			lib = e
-			break
-		}
-	}
-	if lib == nil {
-		return unavailable("no libtorch_npu.so is mapped")
-	}
-	f, err := openMappedFile(pid, lib.mapping)
-	if err != nil {
-		return unavailable(fmt.Sprintf("cannot open %s: %v", lib.mapping.Path, err))
-	}
-	defer f.Close()
-	var want []string
-	for _, p := range torchProbes {
-		want = append(want, p.names...)
-	}
-	funcs, src, tried, err := resolveHidden(pid, f, lib.mapping.Path, want, opts.DebugDirs)
-	if err != nil {
-		return unavailable(fmt.Sprintf("%s: %v", lib.mapping.Path, err))
-	}
-	type chosen struct {
-		p  torchProbe
-		fn hiddenFunc
-	}
-	var plan []chosen
-	for _, p := range torchProbes {
-		var fn *hiddenFunc
-		for _, n := range p.names {
-			if h, ok := funcs[n]; ok {
-				fn = &h
-				break
-			}
-		}
-		switch {
-		case fn == nil && p.required:
-			why := fmt.Sprintf("%s has no symbol for %s (it is stripped, and no debug file was found", lib.mapping.Path, p.what)
-			if len(tried) > 0 {
-				why += "; looked at " + strings.Join(tried, ", ")
-			}
-			return unavailable(why + ")")
-		case fn == nil:
-			target.Missing = append(target.Missing, p.what)
-		case p.ret != "" && fn.returns.err != nil && p.required:
-			return unavailable(fmt.Sprintf("cannot find where %s in %s returns: %v", p.what, lib.mapping.Path, fn.returns.err))
-		case p.ret != "" && fn.returns.err != nil:
-			target.Missing = append(target.Missing, p.what)
-		default:
-			if p.ret != "" && fn.returns.tailCalls > 0 {
-				target.Warnings = append(target.Warnings, fmt.Sprintf(
-					"%s leaves through %d tail calls; allocations returned that way are not seen", p.what, fn.returns.tailCalls))
-			}
-			plan = append(plan, chosen{p, *fn})
-		}
-	}
-	for _, c := range plan {
-		// Return sites first, for the same reason as return probes first.
-		if c.p.ret != "" {
-			for _, site := range c.fn.returns.offsets {
-				if err := t.attachAt(f, c.p.what, c.fn.offset+site, pid, c.p.ret, ""); err != nil {
-					return err
-				}
-			}
-		}
-		if err := t.attachAt(f, c.p.what, c.fn.offset, pid, c.p.entry, ""); err != nil {
-			return err
-		}
-		target.Attached[c.p.what] = lib.mapping.Path
-	}
-	target.Level = allocmodel.LevelTensor
-	target.TorchSymbols = src.String()
-	return nil
-}
-
-const symbolsFix = "tensor level needs torch_npu's hidden symbols: use an unstripped libtorch_npu.so, or install its debug file " +
-	"(torch_npu's build keeps it in build/dbg/) under /usr/lib/debug or pass --debug-dir DIR"
-
-// attachAt attaches entry and return programs at a file offset of file.
-func (t *Tracer) attachAt(file *os.File, symbol string, offset uint64, pid int, entry, ret string) error {
-	// The uprobe API takes a path; /proc/self/fd/N names exactly the file
-	// opened (and verified) by the caller, whatever mount namespace the
-	// target lives in.
-	exe, err := link.OpenExecutable(fmt.Sprintf("/proc/self/fd/%d", file.Fd()))
-	if err != nil {
-		return fmt.Errorf("open %s: %w", file.Name(), err)
-	}
-	opts := &link.UprobeOptions{Address: offset, PID: pid}
-	// Return probe first: a call entering between the two attaches is then
-	// seen returning without an entry (counted), instead of leaving an entry
-	// that never returns.
-	if ret != "" {
-		if err := t.attachOne(exe, symbol, ret, opts, true); err != nil {
-			return err
-		}
-	}
-	if entry != "" {
-		if err := t.attachOne(exe, symbol, entry, opts, false); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-func (t *Tracer) attachOne(exe *link.Executable, symbol, prog string, opts *link.UprobeOptions, ret bool) error {
-	var l link.Link
-	var err error
-	if ret {
-		l, err = exe.Uretprobe(symbol, t.coll.Programs[prog], opts)
-	} else {
-		l, err = exe.Uprobe(symbol, t.coll.Programs[prog], opts)
-	}
-	if err != nil {
-		if errors.Is(err, unix.EPERM) || errors.Is(err, unix.EACCES) {
-			return privilegeError(err)
-		}
-		if errors.Is(err, os.ErrNotExist) {
-			return &Error{Kind: ErrKernelFeature, What: "cannot attach uprobe to " + symbol, Err: err,
-				Fix: "npuprobe needs a kernel with CONFIG_UPROBE_EVENTS"}
-		}
-		return fmt.Errorf("attach to %s: %w", symbol, err)
-	}
-	t.links = append(t.links, l)
-	return nil
 }
 
 // SetDeadline bounds how long Read waits for a record; the zero time
@@ -444,13 +251,11 @@ func (t *Tracer) Read(ev *allocmodel.Event) error {
 func (t *Tracer) trackSeq(cpu uint16, seq uint64) {
 	for int(cpu) >= len(t.nextSeq) {
 		t.nextSeq = append(t.nextSeq, 0)
-		t.seqSeen = append(t.seqSeen, false)
 	}
 	if seq > t.nextSeq[cpu] {
 		t.gapped += seq - t.nextSeq[cpu]
 	}
 	t.nextSeq[cpu] = seq + 1
-	t.seqSeen[cpu] = true
 }
 
 // Loss sums what the tracer knows was lost.
@@ -467,6 +272,10 @@ type Loss struct {
 	PendingFull uint64
 	// ReadFailed: output pointers the kernel could not read.
 	ReadFailed uint64
+	// LiveFull: live allocations the kernel could not store for resync.
+	LiveFull uint64
+	// Stopped: processes stopped at a runtime dlopen.
+	Stopped uint64
 	// BadRecords: records that failed to decode.
 	BadRecords uint64
 }
@@ -497,6 +306,12 @@ func (t *Tracer) Loss() (Loss, error) {
 		return l, err
 	}
 	if l.ReadFailed, err = sum(4); err != nil {
+		return l, err
+	}
+	if l.LiveFull, err = sum(5); err != nil {
+		return l, err
+	}
+	if l.Stopped, err = sum(6); err != nil {
 		return l, err
 	}
 	l.SequenceGaps = t.gapped

@@ -69,6 +69,10 @@ func (c Call) IsMalloc() bool {
 	return c == CallMalloc || c == CallMallocAlign32 || c == CallMallocCached
 }
 
+// IsVMM reports whether c is one of the virtual-memory calls of expandable
+// segments.
+func (c Call) IsVMM() bool { return c >= CallReserveMemAddress && c <= CallUnmapMem }
+
 // IsTensorAlloc reports whether c hands a block of the caching allocator
 // to its caller.
 func (c Call) IsTensorAlloc() bool {
@@ -139,4 +143,22 @@ type Context struct {
 	Stream    uint64
 	HasDevice bool
 	Device    int
+}
+
+// LiveAllocation is one allocation the kernel saw made and not yet freed.
+type LiveAllocation struct {
+	Addr, Size uint64
+	Stream     uint64 // 0 if unknown; for mappings, the physical handle
+	Device     int    // -1 if unknown
+	// ByAllocator: made inside torch_npu's caching allocator.
+	ByAllocator bool
+}
+
+// LiveState is what a process holds according to the kernel's live map,
+// which is complete even when records were lost.
+type LiveState struct {
+	Segments     []LiveAllocation // runtime allocations
+	Blocks       []LiveAllocation // caching-allocator blocks handed out; Size is the request
+	Mappings     []LiveAllocation // mapped page ranges
+	Reservations []LiveAllocation // reserved virtual address ranges
 }

@@ -148,6 +148,9 @@ type Counters struct {
 	// its start: another thread's allocation that split it was recorded
 	// later (it returned later), or the model's split rules disagreed.
 	OutOfOrderSplits uint64
+	// AlignmentSplits counts allocations in an expandable segment at an
+	// aligned address inside a free block (base_addr_aligned_kb).
+	AlignmentSplits uint64
 	// BlockSplitsRepaired counts allocated blocks the model had to split
 	// after the fact because torch split them when the model did not.
 	BlockSplitsRepaired uint64
@@ -157,6 +160,15 @@ type Counters struct {
 	// InvalidDevices counts device numbers outside [0, MaxDevices): the
 	// event was attributed to the default device.
 	InvalidDevices uint64
+	// Resyncs counts rebuilds from the kernel's live map after lost
+	// records; the others count what they changed.
+	Resyncs               uint64
+	ResyncSegmentsAdded   uint64
+	ResyncSegmentsRemoved uint64
+	ResyncBlocksChanged   uint64
+	// MapsOutsideReservation counts page mappings the model could not
+	// place in a known reservation (reserved before attach).
+	MapsOutsideReservation uint64
 	// RuntimeAllocsOutside counts runtime allocations made outside the
 	// caching allocator (workspace, communication libraries, direct runtime
 	// users): not part of a torch snapshot.
@@ -182,6 +194,9 @@ type block struct {
 	addr, size uint64
 	requested  uint64
 	allocated  bool
+	// mapped: backed by device memory. Always true in ordinary segments;
+	// in an expandable segment (a VA reservation) only mapped pages are.
+	mapped     bool
 	seg        *segment
 	prev, next *block
 }
@@ -192,7 +207,10 @@ type segment struct {
 	size   uint64
 	stream uint64
 	small  bool
-	head   *block
+	// expandable: a virtual-address reservation whose pages are mapped on
+	// demand; reported as one segment per contiguous mapped range.
+	expandable bool
+	head       *block
 }
 
 type threadState struct {
@@ -207,6 +225,8 @@ type threadState struct {
 	// the current caching-allocator call, so its next aclrtGetMemInfo is
 	// the out-of-memory report.
 	allocFailed bool
+	// Pages mapped or unmapped one by one, recorded as one entry.
+	run vmmRun
 }
 
 type deviceState struct {
@@ -227,6 +247,8 @@ type Model struct {
 	segments map[uint64]*segment
 	blocks   map[uint64]*block // tensor level: every block by address
 	outside  map[uint64]uint64 // tensor level: runtime allocations outside the allocator
+	handles  map[uint64]physHandle
+	pages    map[uint64]uint64 // reservation base → page size
 	devices  []*deviceState
 	threads  map[uint32]*threadState
 	pools    []PoolID
@@ -249,6 +271,8 @@ func New(cfg Config) *Model {
 		segments: make(map[uint64]*segment),
 		blocks:   make(map[uint64]*block),
 		outside:  make(map[uint64]uint64),
+		handles:  make(map[uint64]physHandle),
+		pages:    make(map[uint64]uint64),
 		threads:  make(map[uint32]*threadState),
 		pools:    []PoolID{{0, 0}},
 	}
@@ -256,6 +280,23 @@ func New(cfg Config) *Model {
 
 // Level reports what the model can see.
 func (m *Model) Level() Level { return m.cfg.Level }
+
+// SetLevel changes what the model sees from now on: a process that loads
+// torch_npu after the runtime moves to tensor level. Segments it holds are
+// kept; their blocks are learned as allocations arrive.
+func (m *Model) SetLevel(l Level) {
+	if l == m.cfg.Level {
+		return
+	}
+	m.cfg.Level = l
+	if l == LevelTensor {
+		for _, seg := range m.segments {
+			for b := seg.head; b != nil; b = b.next {
+				m.blocks[b.addr] = b
+			}
+		}
+	}
+}
 
 // Counters returns the counters so far.
 func (m *Model) Counters() Counters { return m.counters }
@@ -318,8 +359,14 @@ func (m *Model) Apply(ev *Event) {
 	if t.oomPending && !(ev.Call == CallGetMemInfo && ev.Outcome == OutcomeReturned) {
 		m.inferOOMFree(t)
 	}
+	// A run of page maps (or unmaps) ends with the thread's first other call.
+	if t.run.active && !t.run.continues(ev) {
+		m.flushRun(t)
+	}
 
 	switch {
+	case ev.Call.IsVMM():
+		m.applyVMM(t, ev)
 	case ev.Call.IsMalloc():
 		if m.cfg.Level == LevelTensor {
 			m.applyTensorLevelMalloc(t, ev)
@@ -352,7 +399,7 @@ func (m *Model) newSegment(dev int, addr, size, stream uint64, small bool) *segm
 		m.dropSegment(old)
 	}
 	seg := &segment{device: dev, addr: addr, size: size, stream: stream, small: small}
-	seg.head = &block{addr: addr, size: size, seg: seg}
+	seg.head = &block{addr: addr, size: size, seg: seg, mapped: true}
 	m.segments[addr] = seg
 	if m.cfg.Level == LevelTensor {
 		m.blocks[addr] = seg.head
@@ -364,8 +411,10 @@ func (m *Model) newSegment(dev int, addr, size, stream uint64, small bool) *segm
 // dropSegment forgets a segment and its blocks.
 func (m *Model) dropSegment(seg *segment) {
 	d := m.device(seg.device)
-	d.reserved -= seg.size
 	for b := seg.head; b != nil; b = b.next {
+		if b.mapped {
+			d.reserved -= b.size
+		}
 		if m.blocks[b.addr] == b {
 			delete(m.blocks, b.addr)
 		}
@@ -521,10 +570,42 @@ type Snapshot struct {
 	Counters    Counters
 }
 
+// appendSegments appends seg as torch reports it: an ordinary segment
+// whole; an expandable one as one segment per contiguous mapped range.
+func appendSegments(out []Segment, seg *segment) []Segment {
+	typ := SegmentLarge
+	if seg.small {
+		typ = SegmentSmall
+	}
+	var cur *Segment
+	for b := seg.head; b != nil; b = b.next {
+		if !b.mapped {
+			cur = nil
+			continue
+		}
+		if cur == nil {
+			out = append(out, Segment{Device: seg.device, Address: b.addr, Stream: seg.stream, Type: typ, Expandable: seg.expandable})
+			cur = &out[len(out)-1]
+		}
+		st := BlockInactive
+		if b.allocated {
+			st = BlockActiveAllocated
+		}
+		cur.Blocks = append(cur.Blocks, Block{Address: b.addr, Size: b.size, RequestedSize: b.requested, State: st})
+		cur.TotalSize += b.size
+	}
+	return out
+}
+
 // Snapshot copies the model's state. An oom entry still waiting for its
 // free-bytes query gets an estimate in the copy (counted as inferred there);
 // the model keeps waiting, so a later snapshot can carry the observed value.
 func (m *Model) Snapshot() *Snapshot {
+	for _, t := range m.threads {
+		if t.run.active {
+			m.flushRun(t)
+		}
+	}
 	s := &Snapshot{
 		Level:       m.cfg.Level,
 		Segments:    make([]Segment, 0, len(m.segments)),
@@ -535,18 +616,7 @@ func (m *Model) Snapshot() *Snapshot {
 		Counters:    m.counters,
 	}
 	for _, seg := range m.segments {
-		c := Segment{Device: seg.device, Address: seg.addr, TotalSize: seg.size, Stream: seg.stream, Type: SegmentLarge}
-		if seg.small {
-			c.Type = SegmentSmall
-		}
-		for b := seg.head; b != nil; b = b.next {
-			st := BlockInactive
-			if b.allocated {
-				st = BlockActiveAllocated
-			}
-			c.Blocks = append(c.Blocks, Block{Address: b.addr, Size: b.size, RequestedSize: b.requested, State: st})
-		}
-		s.Segments = append(s.Segments, c)
+		s.Segments = appendSegments(s.Segments, seg)
 	}
 	sort.Slice(s.Segments, func(i, j int) bool {
 		a, b := &s.Segments[i], &s.Segments[j]

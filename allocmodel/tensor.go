@@ -104,9 +104,17 @@ func (m *Model) blockForAlloc(ptr uint64) *block {
 			continue
 		}
 		if !b.allocated {
-			m.counters.OutOfOrderSplits++
 			low := m.split(b, ptr-b.addr)
-			low.requested = 0
+			if m.cfg.Alloc.ExpandableSegments && b.mapped {
+				// torch_npu's alignment split (base_addr_aligned_kb): the
+				// old block object keeps the unaligned low part, a new
+				// one takes the aligned rest.
+				m.counters.AlignmentSplits++
+				low.requested, b.requested = b.requested, 0
+			} else {
+				m.counters.OutOfOrderSplits++
+				low.requested = 0
+			}
 			return b
 		}
 		need := m.cfg.Alloc.RoundSize(b.requested)
@@ -140,7 +148,7 @@ func (m *Model) segmentContaining(ptr uint64) *segment {
 // the low part; b becomes the remainder and keeps its requested_size. It
 // returns the new block.
 func (m *Model) split(b *block, size uint64) *block {
-	nb := &block{addr: b.addr, size: size, seg: b.seg, prev: b.prev, next: b}
+	nb := &block{addr: b.addr, size: size, seg: b.seg, prev: b.prev, next: b, mapped: b.mapped}
 	if b.prev != nil {
 		b.prev.next = nb
 	} else {
@@ -154,10 +162,11 @@ func (m *Model) split(b *block, size uint64) *block {
 	return nb
 }
 
-// mergeFree merges the freed block b with free neighbours: b absorbs them
-// and keeps its own requested_size, as torch_npu's try_merge_blocks does.
+// mergeFree merges the freed block b with free neighbours in the same
+// mapping state: b absorbs them and keeps its own requested_size, as
+// torch_npu's try_merge_blocks does.
 func (m *Model) mergeFree(b *block) {
-	if p := b.prev; p != nil && !p.allocated {
+	if p := b.prev; p != nil && !p.allocated && p.mapped == b.mapped {
 		delete(m.blocks, b.addr)
 		b.addr = p.addr
 		b.size += p.size
@@ -169,7 +178,7 @@ func (m *Model) mergeFree(b *block) {
 		}
 		m.blocks[b.addr] = b
 	}
-	if n := b.next; n != nil && !n.allocated {
+	if n := b.next; n != nil && !n.allocated && n.mapped == b.mapped {
 		delete(m.blocks, n.addr)
 		b.size += n.size
 		b.next = n.next

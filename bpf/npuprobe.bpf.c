@@ -98,7 +98,8 @@ enum npu_event_flag {
  *   torch raw_alloc*: addr = returned pointer, size
  *   torch deletes:    addr = pointer
  *   reserve:          addr = *virPtr, size, arg = flags
- *   release, unmap:   addr = virPtr
+ *   release:         addr = virPtr
+ *   unmap:            addr = virPtr, size = the mapping's size if it was seen mapped
  *   malloc physical:  addr = *handle, size, arg = prop->location.id | prop->memAttr << 32
  *   free physical:    addr = handle
  *   map:              addr = virPtr, size, arg = handle
@@ -460,9 +461,15 @@ static __always_inline int record_entry(__u8 fn, __u64 addr)
 	case NPU_FN_RELEASE_MEM_ADDRESS:
 		live_del(pid_tgid, LIVE_RESERVATION, addr);
 		break;
-	case NPU_FN_UNMAP_MEM:
-		live_del(pid_tgid, LIVE_MAPPING, addr);
+	case NPU_FN_UNMAP_MEM: {
+		/* The call carries no size: the mapping's, from the live map. */
+		struct live_key k = {.tgid = pid_tgid >> 32, .kind = LIVE_MAPPING, .addr = addr};
+		struct live_val *v = bpf_map_lookup_elem(&live, &k);
+		if (v)
+			e.size = v->size;
+		bpf_map_delete_elem(&live, &k);
 		break;
+	}
 	case NPU_FN_TORCH_LOCAL_RAW_DELETE:
 	case NPU_FN_TORCH_RAW_DELETE:
 		live_del(pid_tgid, LIVE_BLOCK, addr);

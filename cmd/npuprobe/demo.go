@@ -71,13 +71,14 @@ func runDemo(args []string, stdout, stderr io.Writer) int {
 	defer wl.kill()
 	fmt.Fprintf(stderr, "npuprobe: demo workload running as pid %d, waiting to be traced\n", wl.pid)
 
-	s := newSession(tracer, dir, f.maxEntries, stderr)
-	s.status = status
-	s.finalName = filepath.Base(outFile)
-	if s.attach, err = f.attachOptions(); err != nil {
+	opts, err := f.sessionOptions()
+	if err != nil {
 		fmt.Fprintf(stderr, "npuprobe: %v\n", err)
 		return exitUsage
 	}
+	opts.finalName = filepath.Base(outFile)
+	s := newSession(tracer, dir, opts, stderr)
+	s.status = status
 	p, err := s.add(wl.pid)
 	if err != nil {
 		return fail(stderr, err)

@@ -103,13 +103,30 @@ func fail(stderr io.Writer, err error) int {
 }
 
 type traceFlags struct {
-	pid            int
+	pids           []int
+	all            bool
+	wait           bool
+	dumpOnOOM      bool
+	stopOnLoad     bool
+	device         int
 	out            string
 	maxEntries     int
 	ringSize       int
 	statusInterval string
 	level          string
 	debugDirs      []string
+}
+
+func (f *traceFlags) sessionOptions() (sessionOptions, error) {
+	attach, err := f.attachOptions()
+	return sessionOptions{
+		maxEntries: f.maxEntries,
+		attach:     attach,
+		wait:       f.wait,
+		all:        f.all,
+		dumpOnOOM:  f.dumpOnOOM,
+		device:     f.device,
+	}, err
 }
 
 // attachOptions turns --level and --debug-dir into agent options.
@@ -129,6 +146,8 @@ func (f *traceFlags) attachOptions() (agent.AttachOptions, error) {
 }
 
 func addCommonFlags(fs *pflag.FlagSet, f *traceFlags) {
+	fs.BoolVar(&f.dumpOnOOM, "dump-on-oom", true, "write a snapshot the moment an allocation fails for lack of device memory")
+	fs.IntVar(&f.device, "device", -1, "device of threads whose device was chosen before attach (default: the process's LOCAL_RANK, else 0)")
 	fs.StringVar(&f.level, "level", "auto", "auto, segment or tensor: tensor level needs torch_npu's symbols (auto: tensor when they resolve)")
 	fs.StringSliceVar(&f.debugDirs, "debug-dir", nil, "directory with debug files (build-id or debuglink layout) for stripped libraries; repeatable")
 	fs.IntVar(&f.maxEntries, "max-entries", 1_000_000, "trace entries kept per device; the oldest are overwritten (0: keep all)")
@@ -139,18 +158,25 @@ func addCommonFlags(fs *pflag.FlagSet, f *traceFlags) {
 func runTrace(args []string, stdout, stderr io.Writer) int {
 	var f traceFlags
 	fs := newFlags("trace", stderr)
-	fs.IntVar(&f.pid, "pid", 0, "PID of the process to trace (required)")
+	fs.IntSliceVar(&f.pids, "pid", nil, "PID of a process to trace; repeat for several")
+	fs.BoolVar(&f.all, "all", false, "trace every process that maps the CANN runtime, including ones that start later")
+	fs.BoolVar(&f.wait, "wait", false, "if a process has not loaded the CANN runtime yet, wait and attach when it does")
+	fs.BoolVar(&f.stopOnLoad, "stop-on-load", true, "with --wait/--all, stop a process for the moment it takes to attach when it loads the runtime, so no call is missed")
 	fs.StringVar(&f.out, "out", ".", "directory snapshots are written to")
 	addCommonFlags(fs, &f)
 	if code, ok := parseFlags(fs, args, stdout, stderr); !ok {
 		return code
 	}
-	if f.pid == 0 {
-		fmt.Fprintln(stderr, "npuprobe: --pid is required (see npuprobe --help)")
+	if len(f.pids) == 0 && !f.all {
+		fmt.Fprintln(stderr, "npuprobe: --pid or --all is required (see npuprobe --help)")
 		return exitUsage
 	}
 	if f.maxEntries < 0 {
 		fmt.Fprintln(stderr, "npuprobe: --max-entries must be 0 (keep all) or positive")
+		return exitUsage
+	}
+	if f.device >= allocmodel.MaxDevices {
+		fmt.Fprintf(stderr, "npuprobe: --device must be below %d\n", allocmodel.MaxDevices)
 		return exitUsage
 	}
 	status, err := newStatusLine(f.statusInterval, stderr)
@@ -158,7 +184,7 @@ func runTrace(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "npuprobe: %v\n", err)
 		return exitUsage
 	}
-	attach, err := f.attachOptions()
+	opts, err := f.sessionOptions()
 	if err != nil {
 		fmt.Fprintf(stderr, "npuprobe: %v\n", err)
 		return exitUsage
@@ -169,23 +195,38 @@ func runTrace(args []string, stdout, stderr io.Writer) int {
 		return fail(stderr, err)
 	}
 	defer dir.Close()
-	if err := agent.CheckProcess(f.pid); err != nil {
-		return fail(stderr, err)
+	for _, pid := range f.pids {
+		if err := agent.CheckProcess(pid); err != nil {
+			return fail(stderr, err)
+		}
 	}
-	tracer, err := agent.NewTracer(agent.Options{RingBufferBytes: f.ringSize})
+	tracer, err := agent.NewTracer(agent.Options{
+		RingBufferBytes: f.ringSize,
+		TraceAll:        f.all,
+		StopOnLoad:      f.stopOnLoad && (f.wait || f.all),
+	})
 	if err != nil {
 		return fail(stderr, err)
 	}
 	defer tracer.Close()
 
-	s := newSession(tracer, dir, f.maxEntries, stderr)
+	s := newSession(tracer, dir, opts, stderr)
 	s.status = status
-	s.attach = attach
-	p, err := s.add(f.pid)
-	if err != nil {
-		return fail(stderr, err)
+	for _, pid := range f.pids {
+		p, err := s.add(pid)
+		if err != nil {
+			return fail(stderr, err)
+		}
+		if p != nil {
+			reportAttach(stderr, p.target)
+		}
 	}
-	reportAttach(stderr, p.target)
+	if f.all {
+		if err := s.startAll(); err != nil {
+			return fail(stderr, err)
+		}
+		fmt.Fprintf(stderr, "npuprobe: tracing every process that maps the CANN runtime (%d now)\n", len(s.procs))
+	}
 	fmt.Fprintf(stderr, "npuprobe: tracing; kill -USR1 %d writes a snapshot to %s, Ctrl-C or kill -TERM %d stops\n",
 		os.Getpid(), dir.Path(), os.Getpid())
 

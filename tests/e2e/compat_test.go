@@ -18,6 +18,8 @@ import (
 var probedFunctions = []string{
 	"aclrtMalloc", "aclrtMallocAlign32", "aclrtMallocCached", "aclrtFree",
 	"aclrtSetDevice", "aclrtGetDevice", "aclrtGetMemInfo",
+	"aclrtReserveMemAddress", "aclrtReleaseMemAddress", "aclrtMallocPhysical",
+	"aclrtFreePhysical", "aclrtMapMem", "aclrtUnmapMem",
 }
 
 // TestCompatLayoutTracedOnce runs the segment workload on the layout of
@@ -97,7 +99,7 @@ func TestCompatLayoutTracedOnce(t *testing.T) {
 	checkSegmentSnapshot(t, gt, loadSnapshot(t, path))
 
 	w.send("exit")
-	final := a.expect(wroteRE, time.Minute)[1]
+	final := a.expect(exitRE, time.Minute)[1]
 	if code := a.wait(30 * time.Second); code != 0 {
 		t.Fatalf("npuprobe exited %d after the target exited", code)
 	}

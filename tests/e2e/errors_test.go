@@ -127,7 +127,7 @@ func TestUserErrors(t *testing.T) {
 			name: "missing --pid",
 			cmd:  func() *exec.Cmd { return exec.Command(npuprobe, "--out", t.TempDir()) },
 			code: 2,
-			want: `^npuprobe: --pid is required`,
+			want: `^npuprobe: --pid or --all is required`,
 		},
 		{
 			name: "unknown flag",

@@ -256,7 +256,12 @@ func (a *agentProc) expect(re *regexp.Regexp, timeout time.Duration) []string {
 	}
 }
 
-var wroteRE = regexp.MustCompile(`wrote (\S+\.pickle)$`)
+// wroteRE matches the line of a snapshot asked for by a signal; exitRE
+// the one written when the target exits (an OOM's has its own wording).
+var (
+	wroteRE = regexp.MustCompile(`^npuprobe: wrote (\S+\.pickle)$`)
+	exitRE  = regexp.MustCompile(`^npuprobe: process \d+ exited; wrote (\S+\.pickle)$`)
+)
 
 // snapshot sends SIGUSR1 and returns the written file.
 func (a *agentProc) snapshot() string {

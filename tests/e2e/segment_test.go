@@ -33,7 +33,7 @@ func TestSegmentLevelEndToEnd(t *testing.T) {
 	// The target's exit gives a final snapshot with the same content, and
 	// npuprobe exits 0 on its own.
 	w.send("exit")
-	final := a.expect(wroteRE, time.Minute)[1]
+	final := a.expect(exitRE, time.Minute)[1]
 	if code := a.wait(30 * time.Second); code != 0 {
 		t.Fatalf("npuprobe exited %d after the target exited", code)
 	}
