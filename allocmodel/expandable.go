@@ -150,7 +150,6 @@ func (m *Model) countFailure(t *threadState, ev *Event) {
 func (m *Model) newReservation(t *threadState, addr, size uint64, ev *Event) {
 	if old := m.segments[addr]; old != nil {
 		m.counters.AllocsOverLive++
-		m.dropSegment(old)
 	}
 	dev := t.device
 	if ev.Ctx.HasDevice {
@@ -161,10 +160,7 @@ func (m *Model) newReservation(t *threadState, addr, size uint64, ev *Event) {
 		seg.small = isSmallRequest(m.cfg.Alloc.RoundSize(ev.Ctx.Size))
 	}
 	seg.head = &block{addr: addr, size: size, seg: seg}
-	m.segments[addr] = seg
-	if m.cfg.Level == LevelTensor {
-		m.blocks[addr] = seg.head
-	}
+	m.addSegment(seg)
 }
 
 // pageSize is the reservation's page size, learned from its maps (2 MiB

@@ -123,6 +123,9 @@ type Counters struct {
 	// free call. At tensor level they are not recorded.
 	SegmentFreesUnknown uint64
 	FreesOfNull         uint64 // aclrtFree(NULL) or a null tensor deleter: nothing freed
+	// SegmentFreesAllocLost counts frees of segments whose allocation the
+	// kernel saw but whose record was lost (ring buffer full).
+	SegmentFreesAllocLost uint64
 	// AllocsOverLive counts allocations returning the base of a segment the
 	// model still held live: the matching free was lost.
 	AllocsOverLive uint64
@@ -151,6 +154,9 @@ type Counters struct {
 	// AlignmentSplits counts allocations in an expandable segment at an
 	// aligned address inside a free block (base_addr_aligned_kb).
 	AlignmentSplits uint64
+	// BlocksMergedRepaired counts blocks merged into an allocation that did
+	// not fit its block: the frees that would have merged them were lost.
+	BlocksMergedRepaired uint64
 	// BlockSplitsRepaired counts allocated blocks the model had to split
 	// after the fact because torch split them when the model did not.
 	BlockSplitsRepaired uint64
@@ -166,9 +172,15 @@ type Counters struct {
 	ResyncSegmentsAdded   uint64
 	ResyncSegmentsRemoved uint64
 	ResyncBlocksChanged   uint64
+	// ResyncEntries counts trace entries a resync added, at the resync's
+	// time, so that the trace replays to the state it found.
+	ResyncEntries uint64
 	// MapsOutsideReservation counts page mappings the model could not
 	// place in a known reservation (reserved before attach).
 	MapsOutsideReservation uint64
+	// SegmentsOverlapped counts segments dropped because a new one
+	// overlapped them: their free was lost (with its record).
+	SegmentsOverlapped uint64
 	// RuntimeAllocsOutside counts runtime allocations made outside the
 	// caching allocator (workspace, communication libraries, direct runtime
 	// users): not part of a torch snapshot.
@@ -253,6 +265,85 @@ type Model struct {
 	threads  map[uint32]*threadState
 	pools    []PoolID
 	counters Counters
+	lastMono int64 // latest event time applied
+	// bases holds every segment's address, sorted, to find the segment
+	// containing an address and segments overlapping a new one.
+	bases []uint64
+}
+
+// addSegment registers seg. A segment it overlaps must have been freed
+// with the record of that free lost: it is dropped first, with the entries
+// that free it, so the trace replays.
+func (m *Model) addSegment(seg *segment) {
+	m.dropOverlapping(seg.addr, seg.size)
+	m.segments[seg.addr] = seg
+	i := sort.Search(len(m.bases), func(i int) bool { return m.bases[i] >= seg.addr })
+	m.bases = append(m.bases, 0)
+	copy(m.bases[i+1:], m.bases[i:])
+	m.bases[i] = seg.addr
+	if m.cfg.Level == LevelTensor {
+		for b := seg.head; b != nil; b = b.next {
+			m.blocks[b.addr] = b
+		}
+	}
+}
+
+func (m *Model) removeSegmentIndex(addr uint64) {
+	i := sort.Search(len(m.bases), func(i int) bool { return m.bases[i] >= addr })
+	if i < len(m.bases) && m.bases[i] == addr {
+		m.bases = append(m.bases[:i], m.bases[i+1:]...)
+	}
+}
+
+// segmentContaining finds the segment holding ptr.
+func (m *Model) segmentContaining(ptr uint64) *segment {
+	i := sort.Search(len(m.bases), func(i int) bool { return m.bases[i] > ptr })
+	if i == 0 {
+		return nil
+	}
+	if s := m.segments[m.bases[i-1]]; s != nil && ptr < s.addr+s.size {
+		return s
+	}
+	return nil
+}
+
+// dropOverlapping drops every segment overlapping [addr, addr+size),
+// recording the frees (or unmaps) whose records were lost.
+func (m *Model) dropOverlapping(addr, size uint64) {
+	i := sort.Search(len(m.bases), func(i int) bool { return m.bases[i] >= addr+size })
+	var victims []*segment
+	for j := i - 1; j >= 0; j-- {
+		s := m.segments[m.bases[j]]
+		if s == nil || s.addr+s.size <= addr {
+			break
+		}
+		victims = append(victims, s)
+	}
+	for _, s := range victims {
+		m.counters.SegmentsOverlapped++
+		if s.expandable {
+			for _, r := range mappedRanges(s) {
+				m.record(s.device, TraceEntry{MonoNs: m.lastMono, Action: ActionSegmentUnmap, Addr: r[0], Size: r[1] - r[0], Stream: s.stream})
+			}
+		} else {
+			m.releaseBlocks(s)
+			m.record(s.device, TraceEntry{MonoNs: m.lastMono, Action: ActionSegmentFree, Addr: s.addr, Size: s.size, Stream: s.stream})
+		}
+		m.dropSegment(s)
+	}
+}
+
+// releaseBlocks records frees of seg's allocated blocks (their records
+// were lost) before the segment goes.
+func (m *Model) releaseBlocks(seg *segment) {
+	for b := seg.head; b != nil; b = b.next {
+		if b.allocated {
+			e := TraceEntry{MonoNs: m.lastMono, Addr: b.addr, Size: b.requested, Stream: seg.stream, Action: ActionFreeRequested}
+			m.record(seg.device, e)
+			e.Action = ActionFreeCompleted
+			m.record(seg.device, e)
+		}
+	}
 }
 
 // New returns an empty model.
@@ -352,6 +443,9 @@ func (m *Model) record(dev int, e TraceEntry) uint64 {
 // Apply updates the model with one event.
 func (m *Model) Apply(ev *Event) {
 	m.counters.Events++
+	if ev.MonoNs > m.lastMono {
+		m.lastMono = ev.MonoNs
+	}
 	t := m.thread(ev.Tid)
 
 	// Segment level: the OOM's free-bytes query, if any, is the thread's
@@ -396,14 +490,10 @@ func (m *Model) Apply(ev *Event) {
 func (m *Model) newSegment(dev int, addr, size, stream uint64, small bool) *segment {
 	if old := m.segments[addr]; old != nil {
 		m.counters.AllocsOverLive++
-		m.dropSegment(old)
 	}
 	seg := &segment{device: dev, addr: addr, size: size, stream: stream, small: small}
 	seg.head = &block{addr: addr, size: size, seg: seg, mapped: true}
-	m.segments[addr] = seg
-	if m.cfg.Level == LevelTensor {
-		m.blocks[addr] = seg.head
-	}
+	m.addSegment(seg)
 	m.device(dev).reserved += size
 	return seg
 }
@@ -424,6 +514,7 @@ func (m *Model) dropSegment(seg *segment) {
 		}
 	}
 	delete(m.segments, seg.addr)
+	m.removeSegmentIndex(seg.addr)
 }
 
 func (m *Model) applyMalloc(t *threadState, ev *Event) {
@@ -486,6 +577,20 @@ func (m *Model) applyFree(t *threadState, ev *Event) {
 			delete(m.outside, ev.Addr)
 			return
 		}
+		if ev.Size != 0 {
+			// The kernel saw this allocation; its record was lost. Its
+			// segment_alloc is recorded just before the free (same time),
+			// so the segment exists only there in a replay: placed anywhere
+			// earlier it could overlap segments that lived at the same
+			// address before it.
+			m.counters.SegmentFreesAllocLost++
+			m.dropOverlapping(ev.Addr, ev.Size)
+			e := TraceEntry{MonoNs: ev.MonoNs, Action: ActionSegmentAlloc, Addr: ev.Addr, Size: ev.Size}
+			m.record(t.device, e)
+			e.Action = ActionSegmentFree
+			m.record(t.device, e)
+			return
+		}
 		m.counters.SegmentFreesUnknown++
 		if m.cfg.Level == LevelSegment {
 			m.record(t.device, TraceEntry{MonoNs: ev.MonoNs, Action: ActionSegmentFree, Addr: ev.Addr})
@@ -494,7 +599,10 @@ func (m *Model) applyFree(t *threadState, ev *Event) {
 	}
 	for b := seg.head; b != nil; b = b.next {
 		if b.allocated {
+			// The allocator releases only wholly free segments: these
+			// blocks' frees were lost. Record them first.
 			m.counters.SegmentsFreedWithLiveBlocks++
+			m.releaseBlocks(seg)
 			break
 		}
 	}

@@ -141,7 +141,7 @@ func diffSnapshot(t *testing.T, got, want *am.Snapshot) {
 
 const (
 	addrA = 0x12C040000000
-	addrB = 0x12C040200000
+	addrB = 0x12C060000000 // beyond A: live segments never overlap
 	addrC = 0x12C080000000
 )
 
@@ -257,6 +257,8 @@ func TestApplySegmentLevel(t *testing.T) {
 			c:      am.Counters{FreesOfNull: 2},
 		},
 		{
+			// The old segment's free was lost: it is recorded, at the new
+			// allocation's time, so the trace replays.
 			name: "allocation at a live base replaces the segment",
 			events: []am.Event{
 				malloc(1, 10, addrA, 20*mib),
@@ -264,8 +266,8 @@ func TestApplySegmentLevel(t *testing.T) {
 				free(1, 12, addrB), // unknown
 			},
 			segs:   []am.Segment{seg(1, addrA, small)},
-			traces: [][]am.TraceEntry{{segAlloc(10, addrA, 20*mib)}, {segAlloc(11, addrA, small), segFree(12, addrB, 0)}},
-			c:      am.Counters{AllocsOverLive: 1, SegmentFreesUnknown: 1},
+			traces: [][]am.TraceEntry{{segAlloc(10, addrA, 20*mib), segFree(11, addrA, 20*mib)}, {segAlloc(11, addrA, small), segFree(12, addrB, 0)}},
+			c:      am.Counters{AllocsOverLive: 1, SegmentFreesUnknown: 1, SegmentsOverlapped: 1},
 		},
 		{
 			name: "failed non-OOM calls are counted and leave no trace",
@@ -553,7 +555,7 @@ func TestSnapshotSegmentOrder(t *testing.T) {
 	devs := []int{2, 0, 1}
 	for i := 0; i < 60; i++ {
 		dev := devs[i%3]
-		addr := uint64(0x7000_0000_0000 - i*0x100_0000)
+		addr := uint64(0x7000_0000_0000 - i*0x200_0000)
 		tid := uint32(dev + 1)
 		evs = append(evs, setDevice(tid, dev), malloc(tid, int64(i), addr, 20*mib))
 	}
@@ -561,7 +563,7 @@ func TestSnapshotSegmentOrder(t *testing.T) {
 	for _, dev := range []int{0, 1, 2} {
 		for i := 59; i >= 0; i-- {
 			if devs[i%3] == dev {
-				wantSegs = append(wantSegs, seg(dev, uint64(0x7000_0000_0000-i*0x100_0000), 20*mib))
+				wantSegs = append(wantSegs, seg(dev, uint64(0x7000_0000_0000-i*0x200_0000), 20*mib))
 			}
 		}
 	}
@@ -658,7 +660,7 @@ func TestStats(t *testing.T) {
 		}
 	}
 	c := m.Snapshot().Counters
-	wantC := am.Counters{Events: 10, FreesOfNull: 1, SegmentFreesUnknown: 1, AllocsOverLive: 1, OOMs: 1, OOMFreeInferred: 1}
+	wantC := am.Counters{Events: 10, FreesOfNull: 1, SegmentFreesUnknown: 1, AllocsOverLive: 1, SegmentsOverlapped: 1, OOMs: 1, OOMFreeInferred: 1}
 	if c != wantC {
 		t.Errorf("Counters = %+v, want %+v", c, wantC)
 	}

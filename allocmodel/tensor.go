@@ -39,14 +39,17 @@ func (m *Model) applyTensorAlloc(t *threadState, ev *Event) {
 	}
 	d := m.device(b.seg.device)
 	if b.allocated {
+		// Its free's record was lost: record the free now, so the trace
+		// replays.
 		m.counters.AllocsOverLiveBlock++
-		d.allocated -= b.size
-		d.active -= b.size
-		b.allocated = false
+		m.freeLost(b, ev.MonoNs)
+		m.mergeFree(b)
+		if b = m.blockForAlloc(ev.Addr); b == nil || b.allocated {
+			m.counters.AllocsUnplaceable++
+			return
+		}
 	}
-	if b.size > size && m.cfg.Alloc.shouldSplit(b.seg.small, b.size, size) {
-		b = m.split(b, size)
-	}
+	b = m.claim(b, size, ev.MonoNs)
 	b.allocated = true
 	b.requested = ev.Size
 	d.allocated += b.size
@@ -133,15 +136,42 @@ func (m *Model) blockForAlloc(ptr uint64) *block {
 	return nil
 }
 
-// segmentContaining finds the segment holding ptr. It scans, so it serves
-// only the rare repair paths.
-func (m *Model) segmentContaining(ptr uint64) *segment {
-	for _, s := range m.segments {
-		if ptr >= s.addr && ptr < s.addr+s.size {
-			return s
+// claim makes the free block b fit an allocation of size bytes, as the
+// allocator just did: normally by splitting off the rest (should_split).
+// A block too small means the model missed frees after it (their records
+// were lost): the following blocks are freed (with their entries, at
+// monoNs) and merged in until the allocation fits.
+func (m *Model) claim(b *block, size uint64, monoNs int64) *block {
+	for b.size < size && b.next != nil && b.next.mapped == b.mapped {
+		n := b.next
+		if n.allocated {
+			m.freeLost(n, monoNs)
 		}
+		b.size += n.size
+		b.next = n.next
+		if n.next != nil {
+			n.next.prev = b
+		}
+		delete(m.blocks, n.addr)
+		m.counters.BlocksMergedRepaired++
 	}
-	return nil
+	if b.size > size && m.cfg.Alloc.shouldSplit(b.seg.small, b.size, size) {
+		b = m.split(b, size)
+	}
+	return b
+}
+
+// freeLost frees an allocated block whose free record was lost, recording
+// the free at monoNs so the trace replays to the state.
+func (m *Model) freeLost(b *block, monoNs int64) {
+	d := m.device(b.seg.device)
+	d.allocated -= b.size
+	d.active -= b.size
+	b.allocated = false
+	e := TraceEntry{MonoNs: monoNs, Addr: b.addr, Size: b.requested, Stream: b.seg.stream, Action: ActionFreeRequested}
+	m.record(b.seg.device, e)
+	e.Action = ActionFreeCompleted
+	m.record(b.seg.device, e)
 }
 
 // split cuts size bytes off the front of b as torch does: a new block takes

@@ -90,7 +90,7 @@ enum npu_event_flag {
  * One record, 80 bytes, the same layout on amd64 and arm64. Field meaning per
  * fn (all others zero):
  *   runtime mallocs:  addr = *devPtr (0 unless NPU_EV_RETURN), size, arg = policy
- *   aclrtFree:        addr = devPtr
+ *   aclrtFree:        addr = devPtr, size = the allocation's size if it was seen allocated
  *   set device:       arg = deviceId
  *   get device:       arg = *deviceId
  *   get mem info:     arg = attr, addr = *free, size = *total
@@ -455,9 +455,16 @@ static __always_inline int record_entry(__u8 fn, __u64 addr)
 	init_event(&e, pid_tgid, fn, NPU_EV_ENTRY, 0);
 	e.addr = addr;
 	switch (fn) {
-	case NPU_FN_FREE:
-		live_del(pid_tgid, LIVE_SEGMENT, addr);
+	case NPU_FN_FREE: {
+		/* The size, known if the allocation was seen (even if its own
+		 * record was lost). */
+		struct live_key k = {.tgid = pid_tgid >> 32, .kind = LIVE_SEGMENT, .addr = addr};
+		struct live_val *v = bpf_map_lookup_elem(&live, &k);
+		if (v)
+			e.size = v->size;
+		bpf_map_delete_elem(&live, &k);
 		break;
+	}
 	case NPU_FN_RELEASE_MEM_ADDRESS:
 		live_del(pid_tgid, LIVE_RESERVATION, addr);
 		break;

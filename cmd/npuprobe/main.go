@@ -43,11 +43,19 @@ func run(args []string, stdout, stderr io.Writer) int {
 			return runTrace(rest, stdout, stderr)
 		case "demo":
 			return runDemo(rest, stdout, stderr)
+		case "augment":
+			return runAugment(rest, stdout, stderr)
+		case "merge":
+			return runMerge(rest, stdout, stderr)
+		case "stats":
+			return runStats(rest, stdout, stderr)
+		case "plot":
+			return runPlot(rest, stdout, stderr)
 		case "help":
 			usage(stdout)
 			return exitOK
 		default:
-			fmt.Fprintf(stderr, "npuprobe: unknown command %q (commands: trace, demo; see npuprobe --help)\n", cmd)
+			fmt.Fprintf(stderr, "npuprobe: unknown command %q (commands: trace, demo, augment, merge, stats, plot; see npuprobe --help)\n", cmd)
 			return exitUsage
 		}
 	}
@@ -64,8 +72,18 @@ Usage:
       goes on; SIGINT/SIGTERM or the process's exit writes a final one.
   npuprobe demo [--out FILE]
       Build and trace the bundled demo workload end to end (needs gcc).
+  npuprobe augment --torch-snapshot FILE --recording FILE -o OUT
+      Fill time_us into a torch_npu snapshot from an npuprobe recording of
+      the same process.
+  npuprobe merge -o OUT FILE...
+      Merge per-rank snapshots into one, a device per rank.
+  npuprobe stats [--json] FILE
+      Summarize a snapshot per device.
+  npuprobe plot FILE -o PAGE.html
+      Write a self-contained HTML page of memory over time.
 
 Run 'npuprobe trace --help' or 'npuprobe demo --help' for the flags.
+Run 'npuprobe augment --help' (or merge, stats, plot) for the tools' flags.
 `)
 }
 

@@ -109,6 +109,7 @@ func (s *session) settings(p *traced, snap *allocmodel.Snapshot, loss agent.Loss
 			{Key: "outputs_unreadable", Value: loss.ReadFailed},
 			{Key: "records_undecodable", Value: loss.BadRecords},
 			{Key: "live_allocations_not_stored", Value: loss.LiveFull},
+			{Key: "records_from_untraced_processes", Value: s.foreign},
 		}},
 		output.Setting{Key: "npuprobe_model", Value: []output.Setting{
 			{Key: "events", Value: c.Events},
@@ -123,6 +124,7 @@ func (s *session) settings(p *traced, snap *allocmodel.Snapshot, loss agent.Loss
 			{Key: "allocations_over_live_block", Value: c.AllocsOverLiveBlock},
 			{Key: "out_of_order_splits", Value: c.OutOfOrderSplits},
 			{Key: "block_splits_repaired", Value: c.BlockSplitsRepaired},
+			{Key: "blocks_merged_repaired", Value: c.BlocksMergedRepaired},
 			{Key: "segments_freed_with_live_blocks", Value: c.SegmentsFreedWithLiveBlocks},
 			{Key: "runtime_allocations_outside_allocator", Value: c.RuntimeAllocsOutside},
 			{Key: "invalid_devices", Value: c.InvalidDevices},
@@ -130,6 +132,10 @@ func (s *session) settings(p *traced, snap *allocmodel.Snapshot, loss agent.Loss
 			{Key: "resync_segments_added", Value: c.ResyncSegmentsAdded},
 			{Key: "resync_segments_removed", Value: c.ResyncSegmentsRemoved},
 			{Key: "resync_blocks_changed", Value: c.ResyncBlocksChanged},
+			{Key: "resync_entries", Value: c.ResyncEntries},
+			{Key: "segment_frees_allocation_lost", Value: c.SegmentFreesAllocLost},
+			{Key: "alignment_splits", Value: c.AlignmentSplits},
+			{Key: "maps_outside_reservation", Value: c.MapsOutsideReservation},
 		}},
 	)
 	var clockSettings []output.Setting

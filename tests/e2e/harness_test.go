@@ -272,6 +272,21 @@ func (a *agentProc) snapshot() string {
 	return a.expect(wroteRE, 60*time.Second)[1]
 }
 
+// quiet consumes stderr lines until none arrives for d: npuprobe has
+// finished what it was asked.
+func (a *agentProc) quiet(d time.Duration) {
+	for {
+		select {
+		case _, ok := <-a.lines:
+			if !ok {
+				return
+			}
+		case <-time.After(d):
+			return
+		}
+	}
+}
+
 // wait waits for npuprobe to exit and returns its exit code.
 func (a *agentProc) wait(timeout time.Duration) int {
 	a.t.Helper()
