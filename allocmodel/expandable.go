@@ -56,6 +56,10 @@ func (m *Model) applyVMM(t *threadState, ev *Event) {
 			m.countFailure(t, ev)
 			return
 		}
+		if ev.Size == 0 || ev.Addr == 0 {
+			m.counters.FailedCalls++
+			return
+		}
 		m.newReservation(t, ev.Addr, ev.Size, ev)
 	case CallReleaseMemAddress:
 		if seg := m.segments[ev.Addr]; seg != nil && seg.expandable {
@@ -77,6 +81,10 @@ func (m *Model) applyVMM(t *threadState, ev *Event) {
 	case CallMapMem:
 		if ev.Outcome != OutcomeReturned {
 			m.countFailure(t, ev)
+			return
+		}
+		if ev.Size == 0 {
+			m.counters.FailedCalls++
 			return
 		}
 		dev := t.device

@@ -479,9 +479,9 @@ func (m *Model) Apply(ev *Event) {
 		}
 	case ev.Call == CallGetMemInfo:
 		m.applyMemInfo(t, ev)
-	case ev.Call.IsTensorAlloc():
+	case ev.Call.IsTensorAlloc() && m.cfg.Level == LevelTensor:
 		m.applyTensorAlloc(t, ev)
-	case ev.Call.IsTensorFree():
+	case ev.Call.IsTensorFree() && m.cfg.Level == LevelTensor:
 		m.applyTensorFree(ev)
 	}
 }
@@ -520,6 +520,10 @@ func (m *Model) dropSegment(seg *segment) {
 func (m *Model) applyMalloc(t *threadState, ev *Event) {
 	switch ev.Outcome {
 	case OutcomeReturned:
+		if ev.Size == 0 || ev.Addr == 0 {
+			m.counters.FailedCalls++ // the runtime never returns these: a corrupt record
+			return
+		}
 		// torch_npu's small-pool segments are exactly kSmallBuffer; large
 		// ones are 20 MiB or multiples of 2 MiB of at least 10 MiB.
 		seg := m.newSegment(t.device, ev.Addr, ev.Size, 0, ev.Size == smallBuffer)
@@ -545,6 +549,8 @@ func (m *Model) applyTensorLevelMalloc(t *threadState, ev *Event) {
 		} else {
 			m.counters.FailedCalls++
 		}
+	case ev.Outcome == OutcomeReturned && (ev.Size == 0 || ev.Addr == 0):
+		m.counters.FailedCalls++ // the runtime never returns these: a corrupt record
 	case ev.Outcome == OutcomeReturned:
 		dev := t.device
 		if ev.Ctx.HasDevice {

@@ -107,6 +107,10 @@ func (m *Model) blockForAlloc(ptr uint64) *block {
 			continue
 		}
 		if !b.allocated {
+			if ptr == b.addr {
+				m.blocks[ptr] = b // the index had lost it
+				return b
+			}
 			low := m.split(b, ptr-b.addr)
 			if m.cfg.Alloc.ExpandableSegments && b.mapped {
 				// torch_npu's alignment split (base_addr_aligned_kb): the
