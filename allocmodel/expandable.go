@@ -222,9 +222,12 @@ func (m *Model) anyMapped(seg *segment) bool {
 	return false
 }
 
-// setMapped marks [start, end) of seg mapped or unmapped: blocks are split
-// at the edges, and neighbours in the same state merged, as torch_npu's
-// map_block and unmap_block do. Only free blocks change state.
+// setMapped marks [start, end) of seg mapped or unmapped as torch_npu's
+// map_block and unmap_block do, down to which block object survives (a
+// free block's requested_size is reported): the block whose pages change
+// keeps its identity, new blocks (requested 0) take the parts before and
+// after, and it then absorbs neighbours in its new state. Only free
+// blocks change state.
 func (m *Model) setMapped(seg *segment, start, end uint64, mapped bool) {
 	d := m.device(seg.device)
 	for b := seg.head; b != nil; {
@@ -235,12 +238,11 @@ func (m *Model) setMapped(seg *segment, start, end uint64, mapped bool) {
 			continue
 		}
 		if b.addr < start {
-			m.split(b, start-b.addr)
-			continue // b now starts at start
+			m.split(b, start-b.addr) // a new block before
+			continue                  // b now starts at start
 		}
 		if bEnd > end {
-			m.split(b, end-b.addr)
-			b = b.prev // the new low part, inside the range
+			m.splitHigh(b, end-b.addr) // a new block after
 		}
 		b.mapped = mapped
 		if mapped {
@@ -251,4 +253,19 @@ func (m *Model) setMapped(seg *segment, start, end uint64, mapped bool) {
 		m.mergeFree(b)
 		b = b.next
 	}
+}
+
+// splitHigh cuts b at size bytes, keeping b as the low part: a new block
+// (requested 0) takes the rest.
+func (m *Model) splitHigh(b *block, size uint64) *block {
+	nb := &block{addr: b.addr + size, size: b.size - size, seg: b.seg, prev: b, next: b.next, mapped: b.mapped}
+	if b.next != nil {
+		b.next.prev = nb
+	}
+	b.next = nb
+	b.size = size
+	if m.cfg.Level == LevelTensor {
+		m.blocks[nb.addr] = nb
+	}
+	return nb
 }
