@@ -239,7 +239,7 @@ func (m *Model) setMapped(seg *segment, start, end uint64, mapped bool) {
 		}
 		if b.addr < start {
 			m.split(b, start-b.addr) // a new block before
-			continue                  // b now starts at start
+			continue                 // b now starts at start
 		}
 		if bEnd > end {
 			m.splitHigh(b, end-b.addr) // a new block after
