@@ -22,6 +22,7 @@ type attachKey struct {
 	dev, ino uint64
 	offset   uint64
 	prog     string
+	ret      bool
 	pid      int
 }
 
@@ -270,11 +271,14 @@ func (a *attachment) at(file *os.File, symbol string, offset uint64, filterPID i
 	if prog == "" {
 		return nil
 	}
+	if a.t.opts.Floor {
+		prog = bpf.NpuprobeProgUprobeNoop
+	}
 	var st unix.Stat_t
 	if err := unix.Fstat(int(file.Fd()), &st); err != nil {
 		return fmt.Errorf("stat %s: %w", file.Name(), err)
 	}
-	key := attachKey{dev: st.Dev, ino: st.Ino, offset: offset, prog: prog, pid: filterPID}
+	key := attachKey{dev: st.Dev, ino: st.Ino, offset: offset, prog: prog, ret: ret, pid: filterPID}
 	if _, done := a.t.links[key]; done {
 		return nil
 	}

@@ -43,6 +43,10 @@ type Options struct {
 	// StopOnLoad stops a watched process right after it dlopen()s the
 	// runtime or torch_npu, so the agent attaches before its first call.
 	StopOnLoad bool
+	// Floor attaches a program that does nothing at every probe point
+	// instead of the real ones: the cost of the uprobes alone, the floor
+	// npuprobe's overhead is measured against (benchmarks only).
+	Floor bool
 }
 
 // probeSpec names the BPF programs attached to one runtime function.

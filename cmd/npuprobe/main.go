@@ -123,6 +123,7 @@ func fail(stderr io.Writer, err error) int {
 type traceFlags struct {
 	pids           []int
 	all            bool
+	floor          bool
 	wait           bool
 	dumpOnOOM      bool
 	stopOnLoad     bool
@@ -181,6 +182,8 @@ func runTrace(args []string, stdout, stderr io.Writer) int {
 	fs.BoolVar(&f.wait, "wait", false, "if a process has not loaded the CANN runtime yet, wait and attach when it does")
 	fs.BoolVar(&f.stopOnLoad, "stop-on-load", true, "with --wait/--all, stop a process for the moment it takes to attach when it loads the runtime, so no call is missed")
 	fs.StringVar(&f.out, "out", ".", "directory snapshots are written to")
+	fs.BoolVar(&f.floor, "floor", false, "attach do-nothing programs at the same points (measures the uprobes' own cost)")
+	fs.MarkHidden("floor")
 	addCommonFlags(fs, &f)
 	if code, ok := parseFlags(fs, args, stdout, stderr); !ok {
 		return code
@@ -222,6 +225,7 @@ func runTrace(args []string, stdout, stderr io.Writer) int {
 		RingBufferBytes: f.ringSize,
 		TraceAll:        f.all,
 		StopOnLoad:      f.stopOnLoad && (f.wait || f.all),
+		Floor:           f.floor,
 	})
 	if err != nil {
 		return fail(stderr, err)
