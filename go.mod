@@ -5,11 +5,21 @@ go 1.26.8
 require (
 	github.com/cilium/ebpf v0.22.0
 	github.com/nlpodyssey/gopickle v0.2.0
+	github.com/prometheus/client_golang v1.25.0
+	github.com/prometheus/client_model v0.6.3
+	github.com/prometheus/common v0.72.0
 	github.com/spf13/pflag v1.1.0
+	golang.org/x/arch v0.33.0
 	golang.org/x/sys v0.50.0
 	golang.org/x/term v0.48.0
 )
 
-require golang.org/x/arch v0.33.0 // indirect
+require (
+	github.com/beorn7/perks v1.0.1 // indirect
+	github.com/cespare/xxhash/v2 v2.3.0 // indirect
+	github.com/munnerz/goautoneg v0.0.0-20191010083416-a7dc8b61c822 // indirect
+	github.com/prometheus/procfs v0.22.0 // indirect
+	google.golang.org/protobuf v1.36.12 // indirect
+)
 
 tool github.com/cilium/ebpf/cmd/bpf2go

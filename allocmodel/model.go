@@ -200,6 +200,9 @@ type DeviceStats struct {
 	ReservedBytes  uint64
 	AllocatedBytes uint64
 	ActiveBytes    uint64
+	// Entries recorded since attach: segment_alloc and segment_map,
+	// alloc, oom.
+	SegmentAllocs, Allocs, OOMs uint64
 }
 
 type block struct {
@@ -242,10 +245,12 @@ type threadState struct {
 }
 
 type deviceState struct {
-	ring      *Ring
-	reserved  uint64
-	allocated uint64 // tensor level
-	active    uint64 // tensor level
+	ring *Ring
+	// Entries recorded, by kind, for rates (metrics).
+	segmentAllocs, allocs, ooms uint64
+	reserved                    uint64
+	allocated                   uint64 // tensor level
+	active                      uint64 // tensor level
 	// Last aclrtGetMemInfo result on this device, and the bytes reserved
 	// then, to estimate free memory at an OOM that is not followed by one.
 	memInfoKnown    bool
@@ -406,7 +411,8 @@ func (m *Model) Stats() Stats {
 func (m *Model) DeviceStats() []DeviceStats {
 	out := make([]DeviceStats, len(m.devices))
 	for i, d := range m.devices {
-		out[i] = DeviceStats{ReservedBytes: d.reserved, AllocatedBytes: d.allocated, ActiveBytes: d.active}
+		out[i] = DeviceStats{ReservedBytes: d.reserved, AllocatedBytes: d.allocated, ActiveBytes: d.active,
+			SegmentAllocs: d.segmentAllocs, Allocs: d.allocs, OOMs: d.ooms}
 	}
 	return out
 }
@@ -437,7 +443,16 @@ func (m *Model) thread(tid uint32) *threadState {
 }
 
 func (m *Model) record(dev int, e TraceEntry) uint64 {
-	return m.device(dev).ring.Append(e)
+	d := m.device(dev)
+	switch e.Action {
+	case ActionSegmentAlloc, ActionSegmentMap:
+		d.segmentAllocs++
+	case ActionAlloc:
+		d.allocs++
+	case ActionOOM:
+		d.ooms++
+	}
+	return d.ring.Append(e)
 }
 
 // Apply updates the model with one event.

@@ -43,6 +43,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 			return runTrace(rest, stdout, stderr)
 		case "demo":
 			return runDemo(rest, stdout, stderr)
+		case "dump":
+			return runDump(rest, stdout, stderr)
 		case "augment":
 			return runAugment(rest, stdout, stderr)
 		case "merge":
@@ -55,7 +57,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 			usage(stdout)
 			return exitOK
 		default:
-			fmt.Fprintf(stderr, "npuprobe: unknown command %q (commands: trace, demo, augment, merge, stats, plot; see npuprobe --help)\n", cmd)
+			fmt.Fprintf(stderr, "npuprobe: unknown command %q (commands: trace, demo, dump, augment, merge, stats, plot; see npuprobe --help)\n", cmd)
 			return exitUsage
 		}
 	}
@@ -67,9 +69,12 @@ func usage(w io.Writer) {
 writes PyTorch memory snapshots (open them at https://pytorch.org/memory_viz).
 
 Usage:
-  npuprobe [trace] --pid PID [--out DIR] [--max-entries N]
+  npuprobe [trace] (--pid PID ... | --all) [--wait] [--out DIR] [--control PATH] [--metrics-addr ADDR]
       Attach to a running process. SIGUSR1 writes a snapshot and tracing
       goes on; SIGINT/SIGTERM or the process's exit writes a final one.
+  npuprobe dump [--control PATH] [--pid PID]
+      Ask a running npuprobe (started with --control) for snapshots; prints
+      the files written.
   npuprobe demo [--out FILE]
       Build and trace the bundled demo workload end to end (needs gcc).
   npuprobe augment --torch-snapshot FILE --recording FILE -o OUT
@@ -124,6 +129,9 @@ type traceFlags struct {
 	pids           []int
 	all            bool
 	floor          bool
+	control        string
+	controlHTTP    string
+	metricsAddr    string
 	wait           bool
 	dumpOnOOM      bool
 	stopOnLoad     bool
@@ -182,6 +190,9 @@ func runTrace(args []string, stdout, stderr io.Writer) int {
 	fs.BoolVar(&f.wait, "wait", false, "if a process has not loaded the CANN runtime yet, wait and attach when it does")
 	fs.BoolVar(&f.stopOnLoad, "stop-on-load", true, "with --wait/--all, stop a process for the moment it takes to attach when it loads the runtime, so no call is missed")
 	fs.StringVar(&f.out, "out", ".", "directory snapshots are written to")
+	fs.StringVar(&f.control, "control", "", "serve the control API on this unix socket (mode 0600), for `npuprobe dump`; e.g. "+defaultControlPath)
+	fs.StringVar(&f.controlHTTP, "control-http", "", "also serve the control API over HTTP on this loopback address (127.0.0.1:PORT)")
+	fs.StringVar(&f.metricsAddr, "metrics-addr", "", "serve Prometheus metrics at http://ADDR/metrics (e.g. :9464)")
 	fs.BoolVar(&f.floor, "floor", false, "attach do-nothing programs at the same points (measures the uprobes' own cost)")
 	fs.MarkHidden("floor")
 	addCommonFlags(fs, &f)
@@ -209,6 +220,12 @@ func runTrace(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		fmt.Fprintf(stderr, "npuprobe: %v\n", err)
 		return exitUsage
+	}
+	if f.controlHTTP != "" {
+		if err := requireLoopback(f.controlHTTP); err != nil {
+			fmt.Fprintf(stderr, "npuprobe: %v\n", err)
+			return exitUsage
+		}
 	}
 
 	dir, err := openOutDir(f.out)
@@ -249,6 +266,23 @@ func runTrace(args []string, stdout, stderr io.Writer) int {
 		}
 		fmt.Fprintf(stderr, "npuprobe: tracing every process that maps the CANN runtime (%d now)\n", len(s.procs))
 	}
+	// Listeners only where asked: nothing listens by default.
+	if f.control != "" || f.controlHTTP != "" {
+		c, err := startControl(s, f.control, f.controlHTTP)
+		if err != nil {
+			return fail(stderr, err)
+		}
+		defer c.close()
+	}
+	if f.metricsAddr != "" {
+		s.publish()
+		stopMetrics, err := serveMetrics(s.metrics, f.metricsAddr)
+		if err != nil {
+			return fail(stderr, err)
+		}
+		defer stopMetrics()
+	}
+
 	fmt.Fprintf(stderr, "npuprobe: tracing; kill -USR1 %d writes a snapshot to %s, Ctrl-C or kill -TERM %d stops\n",
 		os.Getpid(), dir.Path(), os.Getpid())
 

@@ -38,8 +38,11 @@ type request struct {
 	// only, if set, limits the request to one process.
 	only *traced
 	// exit: only has exited; forget it after writing.
-	exit   bool
-	result chan<- []string
+	exit bool
+	// pid, if set, limits the request to that process (control API).
+	pid int
+	// reply, if set, receives the written paths (control API).
+	reply chan<- dumpReply
 }
 
 // sessionOptions are the command-line choices a session runs with.
@@ -84,6 +87,7 @@ type session struct {
 	// Records from processes npuprobe does not trace: BPF filters them,
 	// so this stays 0 (checked by a test).
 	foreign uint64
+	metrics *metrics
 }
 
 func newSession(tracer *agent.Tracer, dir *output.Dir, opts sessionOptions, log io.Writer) *session {
@@ -111,15 +115,8 @@ func newSession(tracer *agent.Tracer, dir *output.Dir, opts sessionOptions, log 
 		watching:  make(map[uint32]*watched),
 		requests:  make(chan request, 16),
 		log:       log,
+		metrics:   newMetrics(),
 	}
-}
-
-// requestSnapshot asks the loop for snapshots of every traced process and
-// returns the written paths once they are on disk.
-func (s *session) requestSnapshot(reason string, stop bool) []string {
-	res := make(chan []string, 1)
-	s.requests <- request{reason: reason, at: s.clk.Monotonic(), stop: stop, result: res}
-	return <-res
 }
 
 // run is the event loop. It returns when nothing is left to trace or wait
@@ -155,7 +152,10 @@ func (s *session) run() error {
 			pending = s.apply(&ev, pending)
 			applied++
 			if applied%1024 == 0 && time.Since(lastCollect) > pollInterval {
+				// Under sustained load the ring buffer never drains:
+				// requests, exits and metrics are looked at here too.
 				pending = s.collect(pending)
+				s.publish()
 				lastCollect = time.Now()
 			}
 			continue
@@ -189,6 +189,7 @@ func (s *session) run() error {
 			s.tracker.Recalibrate()
 			lastCal = time.Now()
 		}
+		s.publish()
 		s.status.maybePrint(s.statusText)
 	}
 }
@@ -277,15 +278,29 @@ func (s *session) serve(r *request) bool {
 			delete(s.procs, uint32(r.only.target.PID))
 		}
 	} else {
-		for _, p := range s.procs {
+		var which []*traced
+		if r.pid != 0 {
+			if p := s.procs[uint32(r.pid)]; p != nil {
+				which = append(which, p)
+			} else if r.reply != nil {
+				r.reply <- dumpReply{Error: fmt.Sprintf("process %d is not traced", r.pid)}
+				return r.stop
+			}
+		} else {
+			for _, p := range s.procs {
+				which = append(which, p)
+			}
+		}
+		for _, p := range which {
 			for _, path := range s.writeSnapshot(p, r.reason) {
 				fmt.Fprintf(s.log, "npuprobe: wrote %s\n", path)
 				paths = append(paths, path)
 			}
 		}
 	}
-	if r.result != nil {
-		r.result <- paths
+	s.publish()
+	if r.reply != nil {
+		r.reply <- dumpReply{Paths: paths}
 	}
 	return r.stop
 }

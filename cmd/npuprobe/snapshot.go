@@ -43,9 +43,11 @@ func (s *session) writeSnapshot(p *traced, reason string) []string {
 		}
 	}
 	if err != nil {
+		s.metrics.failures.Inc()
 		fmt.Fprintf(s.log, "npuprobe: snapshot of process %d not written: %v\n", p.target.PID, err)
 		return nil
 	}
+	s.metrics.snapshots.WithLabelValues(reason).Inc()
 	return []string{path}
 }
 
