@@ -20,12 +20,12 @@ import (
 // traces it to the end and writes the snapshot.
 func runDemo(args []string, stdout, stderr io.Writer) int {
 	var f traceFlags
-	var outFile string
-	var calls, threads int
+	var outFile, kind string
+	var steps int
 	fs := newFlags("demo", stderr)
 	fs.StringVar(&outFile, "out", "npuprobe-demo.pickle", "snapshot file to write (replaced if it exists)")
-	fs.IntVar(&calls, "calls", 20000, "runtime calls the demo workload makes after attach")
-	fs.IntVar(&threads, "threads", 2, "threads of the demo workload")
+	fs.StringVar(&kind, "workload", "transformer", "transformer or churn (a fake torch_npu training loop, tensor level), or segments (runtime calls only)")
+	fs.IntVar(&steps, "steps", 0, "steps (transformer, churn) or calls (segments) after attach; 0 for the workload's default")
 	addCommonFlags(fs, &f)
 	if code, ok := parseFlags(fs, args, stdout, stderr); !ok {
 		return code
@@ -58,13 +58,13 @@ func runDemo(args []string, stdout, stderr io.Writer) int {
 		return fail(stderr, err)
 	}
 	defer os.RemoveAll(work)
-	fmt.Fprintln(stderr, "npuprobe: building the demo workload (fake CANN runtime + workload) with gcc")
+	fmt.Fprintln(stderr, "npuprobe: building the demo workload (a fake CANN runtime, a fake libtorch_npu.so and a training-like program) with gcc and g++")
 	paths, err := fixture.Build(work)
 	if err != nil {
 		return fail(stderr, fmt.Errorf("build the demo workload: %w", err))
 	}
 
-	wl, err := startWorkload(paths, work, calls, threads)
+	wl, err := startWorkload(paths, work, kind, steps)
 	if err != nil {
 		return fail(stderr, err)
 	}
@@ -113,12 +113,25 @@ type workload struct {
 	lines *bufio.Scanner
 }
 
-func startWorkload(paths *fixture.Paths, work string, calls, threads int) (*workload, error) {
-	cmd := exec.Command(paths.SegmentWorkload,
-		"--gt", filepath.Join(work, "groundtruth.txt"),
-		"--calls", strconv.Itoa(calls),
-		"--threads", strconv.Itoa(threads))
-	cmd.Env = append(os.Environ(), paths.Env()...)
+func startWorkload(paths *fixture.Paths, work, kind string, steps int) (*workload, error) {
+	var cmd *exec.Cmd
+	switch kind {
+	case "transformer", "churn":
+		if steps == 0 {
+			steps = map[string]int{"transformer": 20, "churn": 3000}[kind]
+		}
+		// The unstripped fake libtorch_npu.so: tensor level.
+		cmd = exec.Command(paths.TensorWorkload, "--pattern", kind, "--steps", strconv.Itoa(steps), "--pre-attach-steps", "0", "--streams", "2")
+		cmd.Env = append(os.Environ(), paths.TorchEnv(paths.TorchSymtabDir)...)
+	case "segments":
+		if steps == 0 {
+			steps = 20000
+		}
+		cmd = exec.Command(paths.SegmentWorkload, "--gt", filepath.Join(work, "groundtruth.txt"), "--calls", strconv.Itoa(steps), "--threads", "2")
+		cmd.Env = append(os.Environ(), paths.Env()...)
+	default:
+		return nil, fmt.Errorf("--workload must be transformer, churn or segments, not %q", kind)
+	}
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
