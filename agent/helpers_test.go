@@ -19,8 +19,10 @@ import (
 // apiFunctions are the aclrt* functions of the fixtures' acl.h: what the fake
 // runtime, libacl_rt.so and the compatibility forwarder each define.
 var apiFunctions = []string{
-	"aclrtFree", "aclrtGetDevice", "aclrtGetMemInfo", "aclrtMalloc", "aclrtMallocAlign32",
-	"aclrtMallocCached", "aclrtResetDevice", "aclrtSetDevice",
+	"aclrtFree", "aclrtFreePhysical", "aclrtGetDevice", "aclrtGetDeviceCount", "aclrtGetMemInfo",
+	"aclrtMalloc", "aclrtMallocAlign32", "aclrtMallocCached", "aclrtMallocPhysical", "aclrtMapMem",
+	"aclrtMemGetAllocationGranularity", "aclrtReleaseMemAddress", "aclrtReserveMemAddress",
+	"aclrtResetDevice", "aclrtSetDevice", "aclrtUnmapMem",
 }
 
 // The fixtures are built once per test binary (a build compiles the C++
