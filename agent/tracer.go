@@ -183,6 +183,9 @@ func NewTracer(opts Options) (*Tracer, error) {
 			return nil, fmt.Errorf("set %s: %w", name, err)
 		}
 	}
+	if err := spec.Variables["cfg_wakeup_bytes"].Set(uint64(opts.RingBufferBytes / 4)); err != nil {
+		return nil, fmt.Errorf("set cfg_wakeup_bytes: %w", err)
+	}
 	coll, err := ebpf.NewCollection(spec)
 	if err != nil {
 		if errors.Is(err, unix.EPERM) || errors.Is(err, unix.EACCES) {

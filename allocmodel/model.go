@@ -730,44 +730,89 @@ func appendSegments(out []Segment, seg *segment) []Segment {
 // free-bytes query gets an estimate in the copy (counted as inferred there);
 // the model keeps waiting, so a later snapshot can carry the observed value.
 func (m *Model) Snapshot() *Snapshot {
+	v := m.View()
+	s := &v.Snapshot
+	s.Traces = make([][]TraceEntry, v.Devices())
+	for dev := range s.Traces {
+		s.Traces[dev] = make([]TraceEntry, v.TraceLen(dev))
+		for i := range s.Traces[dev] {
+			s.Traces[dev][i] = v.TraceEntry(dev, i)
+		}
+	}
+	return s
+}
+
+// View is the model's state for writing a snapshot without copying the
+// trace rings, which may hold millions of entries: segments are copied
+// (Snapshot.Traces is left empty), traces are read from the rings. It is
+// valid until the model next changes, so it must be used, and dropped, on
+// the goroutine that applies events.
+type View struct {
+	Snapshot
+	rings []*Ring
+	// Estimated free bytes for oom entries still waiting for theirs,
+	// by device and position.
+	patches map[[2]int]uint64
+}
+
+// View returns the model's state as a View (see Snapshot for what an oom
+// entry waiting for its free-bytes figure shows).
+func (m *Model) View() *View {
 	for _, t := range m.threads {
 		if t.run.active {
 			m.flushRun(t)
 		}
 	}
-	s := &Snapshot{
+	v := &View{Snapshot: Snapshot{
 		Level:       m.cfg.Level,
 		Segments:    make([]Segment, 0, len(m.segments)),
-		Traces:      make([][]TraceEntry, len(m.devices)),
 		Pools:       append([]PoolID(nil), m.pools...),
 		MaxEntries:  m.cfg.MaxEntries,
 		Overwritten: make([]uint64, len(m.devices)),
 		Counters:    m.counters,
-	}
+	}}
 	for _, seg := range m.segments {
-		s.Segments = appendSegments(s.Segments, seg)
+		v.Segments = appendSegments(v.Segments, seg)
 	}
-	sort.Slice(s.Segments, func(i, j int) bool {
-		a, b := &s.Segments[i], &s.Segments[j]
+	sort.Slice(v.Segments, func(i, j int) bool {
+		a, b := &v.Segments[i], &v.Segments[j]
 		if a.Device != b.Device {
 			return a.Device < b.Device
 		}
 		return a.Address < b.Address
 	})
 	for i, d := range m.devices {
-		s.Traces[i] = d.ring.Entries()
-		s.Overwritten[i] = d.ring.Overwritten()
+		v.rings = append(v.rings, d.ring)
+		v.Overwritten[i] = d.ring.Overwritten()
 	}
 	for _, t := range m.threads {
 		if !t.oomPending {
 			continue
 		}
-		s.Counters.OOMFreeInferred++
+		v.Counters.OOMFreeInferred++
 		ring := m.devices[t.oomDevice].ring
 		if ring.At(t.oomEntry) != nil {
-			pos := t.oomEntry - (ring.Appended() - uint64(ring.Len()))
-			s.Traces[t.oomDevice][pos].Addr = m.estimateFree(t.oomDevice)
+			if v.patches == nil {
+				v.patches = make(map[[2]int]uint64)
+			}
+			pos := int(t.oomEntry - (ring.Appended() - uint64(ring.Len())))
+			v.patches[[2]int{t.oomDevice, pos}] = m.estimateFree(t.oomDevice)
 		}
 	}
-	return s
+	return v
+}
+
+// Devices is the number of device traces.
+func (v *View) Devices() int { return len(v.rings) }
+
+// TraceLen is the number of entries in a device's trace.
+func (v *View) TraceLen(dev int) int { return v.rings[dev].Len() }
+
+// TraceEntry returns a device's i-th entry, oldest first.
+func (v *View) TraceEntry(dev, i int) TraceEntry {
+	e := v.rings[dev].Get(i)
+	if a, ok := v.patches[[2]int{dev, i}]; ok {
+		e.Addr = a
+	}
+	return e
 }

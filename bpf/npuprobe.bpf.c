@@ -160,6 +160,9 @@ struct pending_call {
 volatile const __u32 cfg_trace_all = 0;
 /* Stop a watched process right after it dlopens the runtime or torch_npu. */
 volatile const __u32 cfg_stop_on_load = 0;
+/* Unread bytes past which every record wakes the reader (a quarter of the
+ * ring buffer, set with its size). */
+volatile const __u64 cfg_wakeup_bytes = 2 << 20;
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
@@ -325,10 +328,23 @@ static __always_inline void init_event(struct npu_event *e, __u64 pid_tgid, __u8
 	e->kind = kind;
 }
 
-/* Copies the record into the ring buffer, or counts it lost. */
+/*
+ * Copies the record into the ring buffer, or counts it lost.
+ *
+ * Most records do not wake the reader: a wakeup per record costs more than
+ * the rest of the program (on a VM, an exit per record), and the reader
+ * polls every 100 ms anyway. Records someone waits for wake it at once (an
+ * OOM, whose snapshot is due now; a process stopped at a dlopen; an exec),
+ * and so does any record once the unread data passes cfg_wakeup_bytes, so
+ * the buffer is drained long before it fills.
+ */
 static __always_inline void emit(struct npu_event *e)
 {
-	if (bpf_ringbuf_output(&events, e, sizeof(*e), 0))
+	__u64 flags = BPF_RB_NO_WAKEUP;
+	if (e->kind == NPU_EV_OOM || e->fn == NPU_FN_DLOPEN || e->fn == NPU_FN_EXEC ||
+	    bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) >= cfg_wakeup_bytes)
+		flags = BPF_RB_FORCE_WAKEUP;
+	if (bpf_ringbuf_output(&events, e, sizeof(*e), flags))
 		count(NPU_CTR_RINGBUF_FULL);
 }
 

@@ -117,6 +117,7 @@ const (
 	NpuprobeProgUretprobeDlopen                     = "uretprobe_dlopen"
 	NpuprobeVarCfgStopOnLoad                        = "cfg_stop_on_load"
 	NpuprobeVarCfgTraceAll                          = "cfg_trace_all"
+	NpuprobeVarCfgWakeupBytes                       = "cfg_wakeup_bytes"
 	NpuprobeVarNpuEventBtfAnchor                    = "npu_event_btf_anchor"
 )
 
@@ -219,6 +220,7 @@ type NpuprobeMapSpecs struct {
 type NpuprobeVariableSpecs struct {
 	CfgStopOnLoad     *ebpf.VariableSpec `ebpf:"cfg_stop_on_load"`
 	CfgTraceAll       *ebpf.VariableSpec `ebpf:"cfg_trace_all"`
+	CfgWakeupBytes    *ebpf.VariableSpec `ebpf:"cfg_wakeup_bytes"`
 	NpuEventBtfAnchor *ebpf.VariableSpec `ebpf:"npu_event_btf_anchor"`
 }
 
@@ -269,6 +271,7 @@ func (m *NpuprobeMaps) Close() error {
 type NpuprobeVariables struct {
 	CfgStopOnLoad     *ebpf.Variable `ebpf:"cfg_stop_on_load"`
 	CfgTraceAll       *ebpf.Variable `ebpf:"cfg_trace_all"`
+	CfgWakeupBytes    *ebpf.Variable `ebpf:"cfg_wakeup_bytes"`
 	NpuEventBtfAnchor *ebpf.Variable `ebpf:"npu_event_btf_anchor"`
 }
 

@@ -356,17 +356,34 @@ func (c *Converter) CounterToUnixMicros(ticks int64) (unixUs int64, ok bool) {
 // CPUs, or a clock step between calibrations, must not make time run
 // backwards within one device's list.
 func (c *Converter) StampTrace(entries []allocmodel.TraceEntry) {
-	c.mu.RLock()
-	defer c.mu.RUnlock()
-	var prev int64
+	st := c.NewStamper()
 	for i := range entries {
-		t := floorDiv(c.real.eval(entries[i].MonoNs), 1000)
-		if i > 0 && t < prev {
-			t = prev
-		}
-		entries[i].TimeUs = t
-		prev = t
+		entries[i].TimeUs = st.Stamp(entries[i].MonoNs)
 	}
+}
+
+// Stamper converts one trace's timestamps in trace order, keeping them from
+// ever decreasing: StampTrace one entry at a time, for a writer that
+// streams entries rather than holding a copy of the trace.
+type Stamper struct {
+	c       *Converter
+	prev    int64
+	started bool
+}
+
+// NewStamper returns a Stamper for one trace.
+func (c *Converter) NewStamper() *Stamper { return &Stamper{c: c} }
+
+// Stamp returns the unix-microsecond time of the trace's next entry.
+func (s *Stamper) Stamp(monoNs int64) int64 {
+	s.c.mu.RLock()
+	t := floorDiv(s.c.real.eval(monoNs), 1000)
+	s.c.mu.RUnlock()
+	if s.started && t < s.prev {
+		t = s.prev
+	}
+	s.prev, s.started = t, true
+	return t
 }
 
 func floorDiv(a, b int64) int64 {

@@ -8,6 +8,7 @@ import (
 	"math"
 	"strings"
 	"unicode/utf8"
+	"unsafe"
 )
 
 // Pickle opcodes, limited to those memory_viz's JavaScript unpickler
@@ -85,6 +86,66 @@ type Encoder struct {
 	stack   []container
 	err     error
 	started bool
+	// strCache remembers the memo ids of recently written strings by the
+	// address and length of their bytes: the keys and action and state
+	// names a snapshot repeats millions of times are string constants,
+	// so this finds them without hashing. An entry holds a pointer to the
+	// bytes, which keeps them alive: the same address and length always
+	// mean the same (immutable) text.
+	strCache [strCacheSize]strCacheEntry
+	// lastPair is the int pair written last and its memo id (pool ids
+	// are nearly always the same pair).
+	lastPair   [2]int64
+	lastPairID uint32
+	havePair   bool
+}
+
+// strCacheSize is a power of two; a string is looked for in strCacheWays
+// consecutive slots from its hash.
+const (
+	strCacheSize = 128
+	strCacheWays = 4
+)
+
+type strCacheEntry struct {
+	p  *byte
+	n  int
+	id uint32
+}
+
+func strCacheHash(p *byte, n int) int {
+	h := uint64(uintptr(unsafe.Pointer(p)))*0x9E3779B97F4A7C15 + uint64(n)
+	return int(h >> 57) // 7 bits: strCacheSize
+}
+
+// lookupCached returns the memo id of the string at p of length n if it
+// was cached.
+func (e *Encoder) lookupCached(p *byte, n int) (uint32, bool) {
+	h := strCacheHash(p, n)
+	for i := range strCacheWays {
+		c := &e.strCache[(h+i)&(strCacheSize-1)]
+		if c.p == p && c.n == n {
+			return c.id, true
+		}
+		if c.p == nil {
+			break
+		}
+	}
+	return 0, false
+}
+
+// cache remembers id for the string at p of length n: in the first free
+// slot of its ways, else in place of the first.
+func (e *Encoder) cache(p *byte, n int, id uint32) {
+	h := strCacheHash(p, n)
+	for i := range strCacheWays {
+		c := &e.strCache[(h+i)&(strCacheSize-1)]
+		if c.p == nil {
+			*c = strCacheEntry{p: p, n: n, id: id}
+			return
+		}
+	}
+	e.strCache[h] = strCacheEntry{p: p, n: n, id: id}
 }
 
 type container struct {
@@ -314,12 +375,27 @@ func (e *Encoder) Float(v float64) {
 // UTF-8 and CPython refuses to load anything else.
 func (e *Encoder) String(s string) {
 	e.start()
-	if !utf8.ValidString(s) {
-		s = strings.ToValidUTF8(s, "\uFFFD")
+	p, n := unsafe.StringData(s), len(s)
+	if p != nil {
+		if id, ok := e.lookupCached(p, n); ok {
+			e.get(id)
+			return
+		}
 	}
+	// The memo holds only valid UTF-8, so a hit needs no validation.
 	if id, ok := e.memo[s]; ok {
+		if p != nil {
+			e.cache(p, n, id)
+		}
 		e.get(id)
 		return
+	}
+	if !utf8.ValidString(s) {
+		s = strings.ToValidUTF8(s, "\uFFFD")
+		if id, ok := e.memo[s]; ok {
+			e.get(id)
+			return
+		}
 	}
 	if len(s) < 256 {
 		e.buf = append(e.buf, opShortBinUnicode, byte(len(s)))
@@ -327,7 +403,11 @@ func (e *Encoder) String(s string) {
 		e.buf = binary.LittleEndian.AppendUint32(append(e.buf, opBinUnicode), uint32(len(s)))
 	}
 	e.buf = append(e.buf, s...)
-	e.memo[s] = e.memoize()
+	id := e.memoize()
+	e.memo[s] = id
+	if p != nil && unsafe.StringData(s) == p {
+		e.cache(p, n, id)
+	}
 	e.endOp()
 }
 
@@ -337,14 +417,21 @@ func (e *Encoder) String(s string) {
 func (e *Encoder) IntPair(a, b int64) {
 	e.start()
 	key := [2]int64{a, b}
+	if e.havePair && key == e.lastPair {
+		e.get(e.lastPairID)
+		return
+	}
 	if id, ok := e.tuples[key]; ok {
+		e.lastPair, e.lastPairID, e.havePair = key, id, true
 		e.get(id)
 		return
 	}
 	e.Int(a)
 	e.Int(b)
 	e.buf = append(e.buf, opTuple2)
-	e.tuples[key] = e.memoize()
+	id := e.memoize()
+	e.tuples[key] = id
+	e.lastPair, e.lastPairID, e.havePair = key, id, true
 	e.endOp()
 }
 

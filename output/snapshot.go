@@ -25,31 +25,64 @@ type Setting struct {
 	Value any
 }
 
+// Source is what a snapshot is written from: segments, pools, and one
+// trace per device read entry by entry, oldest first, with TimeUs set. A
+// Source lets a snapshot be written straight from the model's rings, with
+// no copy of millions of entries (see allocmodel.View).
+type Source interface {
+	SnapshotSegments() []allocmodel.Segment
+	SnapshotPools() []allocmodel.PoolID
+	Devices() int
+	TraceLen(dev int) int
+	// TraceEntry is called for i = 0, 1, ... in order for each device.
+	TraceEntry(dev, i int) allocmodel.TraceEntry
+}
+
 // WriteSnapshot writes snap as the dict memory_viz expects:
 // {'segments', 'device_traces', 'allocator_settings'}. Every trace entry
 // must already carry TimeUs.
 func WriteSnapshot(w io.Writer, snap *allocmodel.Snapshot, settings []Setting) error {
+	return WriteSnapshotFrom(w, copied{snap}, settings)
+}
+
+// copied is a Source over a deep-copied snapshot.
+type copied struct{ s *allocmodel.Snapshot }
+
+func (c copied) SnapshotSegments() []allocmodel.Segment { return c.s.Segments }
+func (c copied) SnapshotPools() []allocmodel.PoolID     { return c.s.Pools }
+func (c copied) Devices() int                           { return len(c.s.Traces) }
+func (c copied) TraceLen(dev int) int                   { return len(c.s.Traces[dev]) }
+func (c copied) TraceEntry(dev, i int) allocmodel.TraceEntry {
+	return c.s.Traces[dev][i]
+}
+
+// WriteSnapshotFrom writes the snapshot src describes.
+func WriteSnapshotFrom(w io.Writer, src Source, settings []Setting) error {
+	pools := src.SnapshotPools()
+	segments := src.SnapshotSegments()
 	e := NewEncoder(w)
 	e.BeginDict(3)
 
 	e.Key("segments")
-	e.BeginList(len(snap.Segments))
-	for i := range snap.Segments {
+	e.BeginList(len(segments))
+	for i := range segments {
 		e.Elem()
-		writeSegment(e, snap, &snap.Segments[i])
+		writeSegment(e, pools, &segments[i])
 	}
 	e.EndList()
 
 	// One inner list per device up to the highest used, even if empty:
 	// the viewer indexes device_traces by segment device.
 	e.Key("device_traces")
-	e.BeginList(len(snap.Traces))
-	for _, trace := range snap.Traces {
+	e.BeginList(src.Devices())
+	for dev := 0; dev < src.Devices(); dev++ {
 		e.Elem()
-		e.BeginList(len(trace))
-		for i := range trace {
+		n := src.TraceLen(dev)
+		e.BeginList(n)
+		for i := 0; i < n; i++ {
 			e.Elem()
-			writeEntry(e, snap, &trace[i])
+			t := src.TraceEntry(dev, i)
+			writeEntry(e, pools, &t)
 		}
 		e.EndList()
 	}
@@ -62,14 +95,14 @@ func WriteSnapshot(w io.Writer, snap *allocmodel.Snapshot, settings []Setting) e
 	return e.Close()
 }
 
-func pool(snap *allocmodel.Snapshot, i uint16) allocmodel.PoolID {
-	if int(i) < len(snap.Pools) {
-		return snap.Pools[i]
+func pool(pools []allocmodel.PoolID, i uint16) allocmodel.PoolID {
+	if int(i) < len(pools) {
+		return pools[i]
 	}
 	return allocmodel.PoolID{}
 }
 
-func writeSegment(e *Encoder, snap *allocmodel.Snapshot, s *allocmodel.Segment) {
+func writeSegment(e *Encoder, pools []allocmodel.PoolID, s *allocmodel.Segment) {
 	var allocated, active, requested uint64
 	for _, b := range s.Blocks {
 		if b.State == allocmodel.BlockActiveAllocated {
@@ -98,7 +131,7 @@ func writeSegment(e *Encoder, snap *allocmodel.Snapshot, s *allocmodel.Segment) 
 	e.Key("segment_type")
 	e.String(s.Type.String())
 	e.Key("segment_pool_id")
-	p := pool(snap, s.Pool)
+	p := pool(pools, s.Pool)
 	e.IntPair(p[0], p[1])
 	e.Key("is_expandable")
 	e.Bool(s.Expandable)
@@ -127,7 +160,7 @@ func writeSegment(e *Encoder, snap *allocmodel.Snapshot, s *allocmodel.Segment) 
 	e.EndDict()
 }
 
-func writeEntry(e *Encoder, snap *allocmodel.Snapshot, t *allocmodel.TraceEntry) {
+func writeEntry(e *Encoder, pools []allocmodel.PoolID, t *allocmodel.TraceEntry) {
 	e.BeginDict(6)
 	e.Key("action")
 	e.String(t.Action.String())
@@ -146,7 +179,7 @@ func writeEntry(e *Encoder, snap *allocmodel.Snapshot, t *allocmodel.TraceEntry)
 	e.Key("time_us")
 	e.Int(t.TimeUs)
 	e.Key("pool_id")
-	p := pool(snap, t.Pool)
+	p := pool(pools, t.Pool)
 	e.IntPair(p[0], p[1])
 	e.EndDict()
 }

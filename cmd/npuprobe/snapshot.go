@@ -9,6 +9,7 @@ import (
 
 	"github.com/npuprobe/npuprobe/agent"
 	"github.com/npuprobe/npuprobe/allocmodel"
+	"github.com/npuprobe/npuprobe/clock"
 	"github.com/npuprobe/npuprobe/output"
 )
 
@@ -18,17 +19,19 @@ func (s *session) writeSnapshot(p *traced, reason string) []string {
 	// Records may have been lost since the last resync: bring the model in
 	// line with the kernel first, so segments are right.
 	s.resyncIfLost()
-	snap := p.model.Snapshot()
+	// Written straight from the model's rings (this is the goroutine that
+	// changes the model): a copy of millions of entries would double the
+	// memory at the worst moment.
+	view := p.model.View()
 	s.tracker.Recalibrate()
-	for _, trace := range snap.Traces {
-		s.conv.StampTrace(trace)
-	}
 	loss, err := s.tracer.Loss()
 	if err != nil {
 		fmt.Fprintf(s.log, "npuprobe: reading loss counters: %v\n", err)
 	}
-	settings := s.settings(p, snap, loss, reason)
-	write := func(w io.Writer) error { return output.WriteSnapshot(w, snap, settings) }
+	settings := s.settings(p, &view.Snapshot, loss, reason)
+	write := func(w io.Writer) error {
+		return output.WriteSnapshotFrom(w, newStampedView(view, s.conv), settings)
+	}
 	s.status.clear()
 	var path string
 	if s.opts.finalName != "" && (reason == "exit" || reason == "final") {
@@ -222,4 +225,28 @@ func humanBytes(n uint64) string {
 		exp++
 	}
 	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTPE"[exp])
+}
+
+// stampedView is a model View whose entries get their unix time as they
+// are written.
+type stampedView struct {
+	*allocmodel.View
+	stampers []*clock.Stamper
+}
+
+func newStampedView(v *allocmodel.View, conv *clock.Converter) *stampedView {
+	sv := &stampedView{View: v}
+	for range v.Devices() {
+		sv.stampers = append(sv.stampers, conv.NewStamper())
+	}
+	return sv
+}
+
+func (v *stampedView) SnapshotSegments() []allocmodel.Segment { return v.Segments }
+func (v *stampedView) SnapshotPools() []allocmodel.PoolID     { return v.Pools }
+
+func (v *stampedView) TraceEntry(dev, i int) allocmodel.TraceEntry {
+	e := v.View.TraceEntry(dev, i)
+	e.TimeUs = v.stampers[dev].Stamp(e.MonoNs)
+	return e
 }
