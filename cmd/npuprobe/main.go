@@ -134,7 +134,7 @@ type traceFlags struct {
 	metricsAddr    string
 	wait           bool
 	dumpOnOOM      bool
-	stopOnLoad     bool
+	stopOnLoad     string
 	device         int
 	out            string
 	maxEntries     int
@@ -188,7 +188,7 @@ func runTrace(args []string, stdout, stderr io.Writer) int {
 	fs.IntSliceVar(&f.pids, "pid", nil, "PID of a process to trace; repeat for several")
 	fs.BoolVar(&f.all, "all", false, "trace every process that maps the CANN runtime, including ones that start later")
 	fs.BoolVar(&f.wait, "wait", false, "if a process has not loaded the CANN runtime yet, wait and attach when it does")
-	fs.BoolVar(&f.stopOnLoad, "stop-on-load", true, "with --wait/--all, stop a process for the moment it takes to attach when it loads the runtime, so no call is missed")
+	fs.StringVar(&f.stopOnLoad, "stop-on-load", "auto", "stop a process for the moment it takes to attach when it loads the runtime, so no call is missed: true, false, or auto (true with --wait, false with --all)")
 	fs.StringVar(&f.out, "out", ".", "directory snapshots are written to")
 	fs.StringVar(&f.control, "control", "", "serve the control API on this unix socket (mode 0600), for `npuprobe dump`; e.g. "+defaultControlPath)
 	fs.StringVar(&f.controlHTTP, "control-http", "", "also serve the control API over HTTP on this loopback address (127.0.0.1:PORT)")
@@ -221,6 +221,24 @@ func runTrace(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "npuprobe: %v\n", err)
 		return exitUsage
 	}
+	// Stopping is safe for a process the user named with --wait: npuprobe
+	// continues it within milliseconds. Under --all it would reach every
+	// process on the node that loads the runtime, and one left stopped by
+	// an npuprobe killed at the wrong moment (a container removed) would
+	// hang; there the probes already on a library file catch a new
+	// process's first call anyway, so only a new installation loses the
+	// calls made while npuprobe attaches.
+	var stopOnLoad bool
+	switch f.stopOnLoad {
+	case "auto":
+		stopOnLoad = f.wait && !f.all
+	case "true":
+		stopOnLoad = f.wait || f.all
+	case "false":
+	default:
+		fmt.Fprintf(stderr, "npuprobe: --stop-on-load must be true, false or auto, not %q\n", f.stopOnLoad)
+		return exitUsage
+	}
 	if f.controlHTTP != "" {
 		if err := requireLoopback(f.controlHTTP); err != nil {
 			fmt.Fprintf(stderr, "npuprobe: %v\n", err)
@@ -241,7 +259,7 @@ func runTrace(args []string, stdout, stderr io.Writer) int {
 	tracer, err := agent.NewTracer(agent.Options{
 		RingBufferBytes: f.ringSize,
 		TraceAll:        f.all,
-		StopOnLoad:      f.stopOnLoad && (f.wait || f.all),
+		StopOnLoad:      stopOnLoad,
 		Floor:           f.floor,
 	})
 	if err != nil {
