@@ -1,13 +1,10 @@
 package agent
 
 import (
-	"bufio"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -92,39 +89,12 @@ func startWorkload(t *testing.T, paths *fixture.Paths, env []string) *runningWor
 		"--threads", "2", "--calls", "100", "--pre-attach", "2")
 	cmd.Env = append(os.Environ(), env...)
 	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
+	p, err := fixture.Start(cmd, 30*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		stdin.Close()
-		cmd.Process.Kill()
-		cmd.Wait()
-	})
-	line := make(chan string, 1)
-	go func() {
-		s, _ := bufio.NewReader(stdout).ReadString('\n')
-		line <- s
-		io.Copy(io.Discard, stdout)
-	}()
-	select {
-	case s := <-line:
-		pid, err := strconv.Atoi(strings.TrimSpace(strings.TrimPrefix(s, "ready ")))
-		if err != nil || pid != cmd.Process.Pid {
-			t.Fatalf("workload said %q, want \"ready %d\"", s, cmd.Process.Pid)
-		}
-		return &runningWorkload{cmd: cmd, pid: pid}
-	case <-time.After(30 * time.Second):
-		t.Fatal("workload did not print ready")
-	}
-	return nil
+	t.Cleanup(p.Kill)
+	return &runningWorkload{cmd: cmd, pid: p.PID}
 }
 
 func sortedNames[V any](m map[string]V) []string {

@@ -57,7 +57,7 @@ func (b *bencher) runLoss(c lossCase, calls int) (*lossResult, error) {
 	var ws []*workload
 	defer func() {
 		for _, w := range ws {
-			w.kill()
+			w.Kill()
 		}
 	}()
 	var pids []int
@@ -79,7 +79,7 @@ func (b *bencher) runLoss(c lossCase, calls int) (*lossResult, error) {
 	}
 	defer t.stop()
 	for _, w := range ws {
-		if err := w.send("go"); err != nil {
+		if err := w.Send("go"); err != nil {
 			return nil, err
 		}
 	}
@@ -90,7 +90,7 @@ func (b *bencher) runLoss(c lossCase, calls int) (*lossResult, error) {
 		t.cmd.Process.Signal(syscall.SIGCONT)
 	}
 	for _, w := range ws {
-		if _, err := w.expect("done", 10*time.Minute); err != nil {
+		if _, err := w.Expect("done", 10*time.Minute); err != nil {
 			return nil, err
 		}
 	}
@@ -139,7 +139,7 @@ func (b *bencher) runLoss(c lossCase, calls int) (*lossResult, error) {
 	}
 	res.rate = float64(res.events) / (float64(last-first) / 1e9)
 	for _, w := range ws {
-		w.send("exit")
+		w.Send("exit")
 	}
 	t.wait(time.Minute)
 	return res, nil

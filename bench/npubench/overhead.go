@@ -58,7 +58,7 @@ func (b *bencher) runVariant(v string, cfg overheadConfig) (*runResult, error) {
 	if err != nil {
 		return nil, err
 	}
-	defer w.kill()
+	defer w.Kill()
 	var t *tracer
 	switch v {
 	case "floor":
@@ -78,10 +78,10 @@ func (b *bencher) runVariant(v string, cfg overheadConfig) (*runResult, error) {
 	if t != nil {
 		cpu0 = procCPU(t.cmd.Process.Pid)
 	}
-	if err := w.send("go"); err != nil {
+	if err := w.Send("go"); err != nil {
 		return nil, err
 	}
-	if _, err := w.expect("done", 10*time.Minute); err != nil {
+	if _, err := w.Expect("done", 10*time.Minute); err != nil {
 		return nil, err
 	}
 	res := &runResult{variant: v}
@@ -90,7 +90,7 @@ func (b *bencher) runVariant(v string, cfg overheadConfig) (*runResult, error) {
 		// or its final snapshot).
 		res.tracerS = procCPU(t.cmd.Process.Pid) - cpu0
 	}
-	w.cmd.Wait()
+	w.Cmd.Wait()
 	switch v {
 	case "floor", "npuprobe":
 		// npuprobe writes its final snapshot when the process exits.
@@ -286,7 +286,7 @@ func (b *bencher) bpfProgramStats(floor bool, cfg overheadConfig) ([]row, error)
 	if err != nil {
 		return nil, err
 	}
-	defer w.kill()
+	defer w.Kill()
 	var extra []string
 	name := "npuprobe"
 	if floor {
@@ -297,8 +297,8 @@ func (b *bencher) bpfProgramStats(floor bool, cfg overheadConfig) ([]row, error)
 		return nil, err
 	}
 	defer t.stop()
-	w.send("go")
-	if _, err := w.expect("done", 10*time.Minute); err != nil {
+	w.Send("go")
+	if _, err := w.Expect("done", 10*time.Minute); err != nil {
 		return nil, err
 	}
 	ids, err := progIDs(t.cmd.Process.Pid)
@@ -336,7 +336,7 @@ func (b *bencher) bpfProgramStats(floor bool, cfg overheadConfig) ([]row, error)
 		})
 	}
 	sort.Slice(rows, func(i, j int) bool { return rows[i].Metric < rows[j].Metric })
-	w.send("exit")
+	w.Send("exit")
 	t.wait(time.Minute)
 	b.logf("bpf stats (%s): %d program runs, %.0f ns mean", name, calls, float64(total.Nanoseconds())/float64(max(calls, 1)))
 	return rows, nil

@@ -11,7 +11,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"strconv"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -22,11 +21,9 @@ import (
 // workload is a running segment_workload (ready/go/done protocol, see
 // tests/fixture/workload/segwork.c).
 type workload struct {
-	cmd   *exec.Cmd
-	pid   int
-	gt    string
-	stdin io.WriteCloser
-	lines chan string
+	*fixture.Program
+	pid int
+	gt  string
 }
 
 func startWorkload(fx *fixture.Paths, dir string, args ...string) (*workload, error) {
@@ -34,64 +31,11 @@ func startWorkload(fx *fixture.Paths, dir string, args ...string) (*workload, er
 	cmd := exec.Command(fx.SegmentWorkload, append([]string{"--gt", gt}, args...)...)
 	cmd.Env = append(os.Environ(), fx.Env()...)
 	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
+	p, err := fixture.Start(cmd, 30*time.Second)
 	if err != nil {
 		return nil, err
 	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
-	}
-	if err := cmd.Start(); err != nil {
-		return nil, err
-	}
-	w := &workload{cmd: cmd, gt: gt, stdin: stdin, lines: make(chan string, 16)}
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			w.lines <- sc.Text()
-		}
-		close(w.lines)
-	}()
-	line, err := w.expect("ready ", 30*time.Second)
-	if err != nil {
-		w.kill()
-		return nil, err
-	}
-	if w.pid, err = strconv.Atoi(strings.TrimPrefix(line, "ready ")); err != nil {
-		w.kill()
-		return nil, fmt.Errorf("workload said %q", line)
-	}
-	return w, nil
-}
-
-func (w *workload) expect(prefix string, timeout time.Duration) (string, error) {
-	deadline := time.After(timeout)
-	for {
-		select {
-		case line, ok := <-w.lines:
-			if !ok {
-				return "", fmt.Errorf("workload ended before printing %q", prefix)
-			}
-			if strings.HasPrefix(line, prefix) {
-				return line, nil
-			}
-		case <-deadline:
-			return "", fmt.Errorf("workload did not print %q within %v", prefix, timeout)
-		}
-	}
-}
-
-func (w *workload) send(line string) error {
-	_, err := io.WriteString(w.stdin, line+"\n")
-	return err
-}
-
-func (w *workload) kill() {
-	if w.cmd.ProcessState == nil {
-		w.cmd.Process.Kill()
-		w.cmd.Wait()
-	}
+	return &workload{Program: p, pid: p.PID, gt: gt}, nil
 }
 
 func (w *workload) groundTruth() (*fixture.GroundTruth, error) {

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bufio"
 	"fmt"
 	"io"
 	"os"
@@ -9,6 +8,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/npuprobe/npuprobe/agent"
 	"github.com/npuprobe/npuprobe/tests/fixture"
@@ -68,8 +68,8 @@ func runDemo(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		return fail(stderr, err)
 	}
-	defer wl.kill()
-	fmt.Fprintf(stderr, "npuprobe: demo workload running as pid %d, waiting to be traced\n", wl.pid)
+	defer wl.Kill()
+	fmt.Fprintf(stderr, "npuprobe: demo workload running as pid %d, waiting to be traced\n", wl.PID)
 
 	opts, err := f.sessionOptions()
 	if err != nil {
@@ -79,7 +79,7 @@ func runDemo(args []string, stdout, stderr io.Writer) int {
 	opts.finalName = filepath.Base(outFile)
 	s := newSession(tracer, dir, opts, stderr)
 	s.status = status
-	p, err := s.add(wl.pid)
+	p, err := s.add(wl.PID)
 	if err != nil {
 		return fail(stderr, err)
 	}
@@ -88,32 +88,25 @@ func runDemo(args []string, stdout, stderr io.Writer) int {
 	// Let the workload run; once it reports done, let it exit, which makes
 	// the session write the final snapshot.
 	go func() {
-		if err := wl.send("go"); err != nil {
+		if err := wl.Send("go"); err != nil {
 			return
 		}
-		if wl.waitFor("done") == nil {
-			wl.send("exit")
+		if _, err := wl.Expect("done", time.Hour); err == nil {
+			wl.Send("exit")
 		}
 	}()
 	if err := s.run(); err != nil {
 		return fail(stderr, err)
 	}
-	if err := wl.cmd.Wait(); err != nil {
+	if err := wl.Cmd.Wait(); err != nil {
 		return fail(stderr, fmt.Errorf("demo workload: %w", err))
 	}
 	fmt.Fprintf(stdout, "Snapshot: %s\nOpen https://pytorch.org/memory_viz and drop the file onto the page.\n", outFile)
 	return exitOK
 }
 
-// workload is a running fixture program driven over its stdin and stdout.
-type workload struct {
-	cmd   *exec.Cmd
-	pid   int
-	stdin io.WriteCloser
-	lines *bufio.Scanner
-}
-
-func startWorkload(paths *fixture.Paths, work, kind string, steps int) (*workload, error) {
+// startWorkload starts the demo workload; it waits to be traced.
+func startWorkload(paths *fixture.Paths, work, kind string, steps int) (*fixture.Program, error) {
 	var cmd *exec.Cmd
 	switch kind {
 	case "transformer", "churn":
@@ -133,51 +126,9 @@ func startWorkload(paths *fixture.Paths, work, kind string, steps int) (*workloa
 		return nil, fmt.Errorf("--workload must be transformer, churn or segments, not %q", kind)
 	}
 	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
+	p, err := fixture.Start(cmd, time.Minute)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("demo workload: %w", err)
 	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
-	}
-	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start demo workload: %w", err)
-	}
-	w := &workload{cmd: cmd, stdin: stdin, lines: bufio.NewScanner(stdout)}
-	if !w.lines.Scan() {
-		w.kill()
-		return nil, fmt.Errorf("demo workload exited before it was ready")
-	}
-	fields := strings.Fields(w.lines.Text())
-	if len(fields) != 2 || fields[0] != "ready" {
-		w.kill()
-		return nil, fmt.Errorf("demo workload said %q, want \"ready PID\"", w.lines.Text())
-	}
-	w.pid, err = strconv.Atoi(fields[1])
-	if err != nil {
-		w.kill()
-		return nil, fmt.Errorf("demo workload said %q: %w", w.lines.Text(), err)
-	}
-	return w, nil
-}
-
-func (w *workload) send(line string) error {
-	_, err := io.WriteString(w.stdin, line+"\n")
-	return err
-}
-
-func (w *workload) waitFor(line string) error {
-	for w.lines.Scan() {
-		if strings.TrimSpace(w.lines.Text()) == line {
-			return nil
-		}
-	}
-	return fmt.Errorf("workload ended before %q", line)
-}
-
-func (w *workload) kill() {
-	if w.cmd.ProcessState == nil && w.cmd.Process != nil {
-		w.cmd.Process.Kill()
-	}
+	return p, nil
 }

@@ -6,13 +6,10 @@
 package snaptest
 
 import (
-	"bufio"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -70,57 +67,24 @@ func TensorDump(t testing.TB, p *fixture.Paths, dir string, env []string, args .
 	cmd := exec.Command(p.TensorWorkload, args...)
 	cmd.Env = append(append(os.Environ(), p.TorchEnv(p.TorchSymtabDir)...), env...)
 	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
+	w, err := fixture.Start(cmd, 5*time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		stdin.Close()
-		if err := cmd.Wait(); err != nil {
-			t.Errorf("tensor_workload: %v", err)
-		}
-	}()
-	lines := make(chan string, 16)
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			lines <- sc.Text()
-		}
-		close(lines)
-	}()
-	expect := func(prefix string) {
+	defer w.Kill()
+	step := func(command, reply string) {
 		t.Helper()
-		select {
-		case line, ok := <-lines:
-			if !ok || !strings.HasPrefix(line, prefix) {
-				t.Fatalf("tensor_workload said %q (open %v), want %q", line, ok, prefix)
-			}
-		case <-time.After(5 * time.Minute):
-			t.Fatalf("tensor_workload did not say %q", prefix)
-		}
-	}
-	send := func(line string) {
-		t.Helper()
-		if _, err := io.WriteString(stdin, line+"\n"); err != nil {
+		if err := w.Send(command); err != nil {
 			t.Fatal(err)
 		}
+		if _, err := w.Expect(reply, 5*time.Minute); err != nil {
+			t.Fatalf("tensor_workload: %v", err)
+		}
 	}
-	expect("ready ")
-	send("go")
-	expect("done")
 	d := &Dump{Pickle: filepath.Join(dir, "torch_npu.pickle"), JSON: filepath.Join(dir, "groundtruth.json")}
-	send("dumppickle " + d.Pickle)
-	expect("dumped")
-	send("dump " + d.JSON)
-	expect("dumped")
-	send("exit")
+	step("go", "done")
+	step("dumppickle "+d.Pickle, "dumped")
+	step("dump "+d.JSON, "dumped")
 	f, err := os.Open(d.JSON)
 	if err != nil {
 		t.Fatal(err)

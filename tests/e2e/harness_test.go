@@ -17,8 +17,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"runtime"
-	"strconv"
-	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -80,12 +78,11 @@ func setup() (int, error) {
 
 // workload is a running fixture program.
 type workload struct {
+	*fixture.Program
 	t      *testing.T
 	cmd    *exec.Cmd
 	pid    int
 	gtPath string
-	stdin  io.WriteCloser
-	lines  chan string
 }
 
 // startWorkload starts a fixture program with args (plus --gt) and waits
@@ -103,59 +100,26 @@ func startProgram(t *testing.T, bin string, env []string, gt string, args ...str
 	cmd := exec.Command(bin, args...)
 	cmd.Env = append(append(os.Environ(), fixtures.Env()...), env...)
 	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
+	p, err := fixture.Start(cmd, 30*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	w := &workload{t: t, cmd: cmd, gtPath: gt, stdin: stdin, lines: make(chan string, 16)}
-	t.Cleanup(func() {
-		if cmd.ProcessState == nil {
-			cmd.Process.Kill()
-			cmd.Wait()
-		}
-	})
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			w.lines <- sc.Text()
-		}
-		close(w.lines)
-	}()
-	line := w.expectLine("ready ", 30*time.Second)
-	if w.pid, err = strconv.Atoi(strings.TrimPrefix(line, "ready ")); err != nil {
-		t.Fatalf("workload said %q", line)
-	}
-	return w
+	t.Cleanup(p.Kill)
+	return &workload{Program: p, t: t, cmd: cmd, pid: p.PID, gtPath: gt}
 }
 
 func (w *workload) expectLine(prefix string, timeout time.Duration) string {
 	w.t.Helper()
-	deadline := time.After(timeout)
-	for {
-		select {
-		case line, ok := <-w.lines:
-			if !ok {
-				w.t.Fatalf("workload ended before printing %q", prefix)
-			}
-			if strings.HasPrefix(line, prefix) {
-				return line
-			}
-		case <-deadline:
-			w.t.Fatalf("workload did not print %q within %v", prefix, timeout)
-		}
+	line, err := w.Expect(prefix, timeout)
+	if err != nil {
+		w.t.Fatalf("workload: %v", err)
 	}
+	return line
 }
 
 func (w *workload) send(line string) {
 	w.t.Helper()
-	if _, err := io.WriteString(w.stdin, line+"\n"); err != nil {
+	if err := w.Send(line); err != nil {
 		w.t.Fatalf("write %q to workload: %v", line, err)
 	}
 }
