@@ -53,6 +53,7 @@ type Target struct {
 // attachment collects what one Attach call attached, to undo it on failure.
 type attachment struct {
 	t    *Tracer
+	pid  int // the process whose mappings are being attached
 	keys []attachKey
 }
 
@@ -109,7 +110,7 @@ func (t *Tracer) attach(pid int, opts AttachOptions, filterPID int) (target *Tar
 		}
 	}
 
-	a := &attachment{t: t}
+	a := &attachment{t: t, pid: pid}
 	defer func() {
 		if err != nil {
 			a.undo()
@@ -138,10 +139,10 @@ func (t *Tracer) attach(pid int, opts AttachOptions, filterPID int) (target *Tar
 		// Return probe first: a call entering between the two attaches is
 		// then seen returning without an entry (counted), instead of
 		// leaving an entry that never returns.
-		if err := a.at(site.elf.file, p.symbol, site.offset, filterPID, p.ret, true); err != nil {
+		if err := a.at(site.elf.file, site.elf.mapping, p.symbol, site.offset, filterPID, p.ret, true); err != nil {
 			return nil, err
 		}
-		if err := a.at(site.elf.file, p.symbol, site.offset, filterPID, p.entry, false); err != nil {
+		if err := a.at(site.elf.file, site.elf.mapping, p.symbol, site.offset, filterPID, p.entry, false); err != nil {
 			return nil, err
 		}
 		target.Attached[p.symbol] = site.elf.mapping.Path
@@ -247,11 +248,11 @@ func (a *attachment) torch(pid, filterPID int, target *Target, opts AttachOption
 			if c.p.ret == "" {
 				break
 			}
-			if err := a.at(f, c.p.what, c.fn.offset+site, filterPID, c.p.ret, false); err != nil {
+			if err := a.at(f, lib.mapping, c.p.what, c.fn.offset+site, filterPID, c.p.ret, false); err != nil {
 				return err
 			}
 		}
-		if err := a.at(f, c.p.what, c.fn.offset, filterPID, c.p.entry, false); err != nil {
+		if err := a.at(f, lib.mapping, c.p.what, c.fn.offset, filterPID, c.p.entry, false); err != nil {
 			return err
 		}
 		target.Attached[c.p.what] = lib.mapping.Path
@@ -264,21 +265,25 @@ func (a *attachment) torch(pid, filterPID int, target *Target, opts AttachOption
 const symbolsFix = "tensor level needs torch_npu's hidden symbols: use an unstripped libtorch_npu.so, or install its debug file " +
 	"(torch_npu's build keeps it in build/dbg/) under /usr/lib/debug or pass --debug-dir DIR"
 
-// at attaches prog at a file offset of file, as a uretprobe if ret, once:
-// a probe already attached there (same file, offset, program and process
-// filter) is left as it is.
-func (a *attachment) at(file *os.File, symbol string, offset uint64, filterPID int, prog string, ret bool) error {
+// at attaches prog at a file offset of file (opened from mapping m), as a
+// uretprobe if ret, once: a probe already attached there (same file,
+// offset, program and process filter) is left as it is.
+//
+// "Same file" is the file the kernel puts the uprobe on, the real one
+// under an overlay mount (realFileKey): two containers of one image see it
+// through two mounts, and probing it twice would record every call twice.
+func (a *attachment) at(file *os.File, m Mapping, symbol string, offset uint64, filterPID int, prog string, ret bool) error {
 	if prog == "" {
 		return nil
 	}
 	if a.t.opts.Floor {
 		prog = bpf.NpuprobeProgUprobeNoop
 	}
-	var st unix.Stat_t
-	if err := unix.Fstat(int(file.Fd()), &st); err != nil {
-		return fmt.Errorf("stat %s: %w", file.Name(), err)
+	dev, ino, err := realFileKey(a.pid, m.Path, file)
+	if err != nil {
+		return err
 	}
-	key := attachKey{dev: st.Dev, ino: st.Ino, offset: offset, prog: prog, ret: ret, pid: filterPID}
+	key := attachKey{dev: dev, ino: ino, offset: offset, prog: prog, ret: ret, pid: filterPID}
 	if _, done := a.t.links[key]; done {
 		return nil
 	}

@@ -42,7 +42,8 @@ func CheckProcess(pid int) error {
 
 func privilegeError(err error) error {
 	return &Error{Kind: ErrPrivilege, What: "not enough privilege to load and attach eBPF programs", Err: err,
-		Fix: "run as root, or grant CAP_BPF, CAP_PERFMON, CAP_SYS_PTRACE and CAP_SYS_RESOURCE"}
+		Fix: "run as root, or grant CAP_SYS_ADMIN and CAP_SYS_PTRACE (kernels fixed for CVE-2025-38466 need CAP_SYS_ADMIN to create uprobes; " +
+			"older ones accept CAP_BPF with CAP_PERFMON instead, and before 5.11 also need CAP_SYS_RESOURCE)"}
 }
 
 // Linux capability numbers (linux/capability.h).
@@ -56,8 +57,11 @@ const (
 // checkPrivileges looks at the effective capabilities before anything is
 // loaded, so a missing one is reported as such rather than as a failure
 // deep inside BPF loading. Loading and attaching need CAP_BPF and
-// CAP_PERFMON (or CAP_SYS_ADMIN, which implies both on kernels before
-// 5.8); reading another process's maps and root needs CAP_SYS_PTRACE.
+// CAP_PERFMON, or CAP_SYS_ADMIN, which kernels fixed for CVE-2025-38466
+// (6.16, and stable backports down to 5.10.240) require to create uprobes:
+// which kernel this is cannot be told in advance, so an attach refused with
+// EACCES is reported with the same advice. Reading another process's maps
+// and root needs CAP_SYS_PTRACE.
 func checkPrivileges() error {
 	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
 	var data [2]unix.CapUserData

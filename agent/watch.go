@@ -85,11 +85,11 @@ func (t *Tracer) attachDlopen(pid int) error {
 		if err != nil {
 			continue
 		}
-		a := &attachment{t: t}
-		if err := a.at(e.file, "dlopen", off, filterPID, bpf.NpuprobeProgUretprobeDlopen, true); err != nil {
+		a := &attachment{t: t, pid: pid}
+		if err := a.at(e.file, e.mapping, "dlopen", off, filterPID, bpf.NpuprobeProgUretprobeDlopen, true); err != nil {
 			return err
 		}
-		if err := a.at(e.file, "dlopen", off, filterPID, bpf.NpuprobeProgUprobeDlopen, false); err != nil {
+		if err := a.at(e.file, e.mapping, "dlopen", off, filterPID, bpf.NpuprobeProgUprobeDlopen, false); err != nil {
 			a.undo()
 			return err
 		}

@@ -167,7 +167,7 @@ func TestAugmentTorchSnapshot(t *testing.T) {
 				Extrapolated   int64 `json:"extrapolated"`
 			}
 			snap := loadSnapshot(t, outPath) // check_snapshot --expect-time, python3 pickle, gopickle
-			snap.setting(t, "npuprobe_augment", &report)
+			snap.Setting(t, "npuprobe_augment", &report)
 			if int(report.Matched+report.MatchedRelaxed) != matched || int(report.Interpolated+report.Extrapolated) != unmatched {
 				t.Errorf("augment reports %+v; %d entries were recorded, %d not", report, matched, unmatched)
 			}

@@ -21,8 +21,8 @@ func TestTimeAccuracy(t *testing.T) {
 
 	want, _ := segmentExpectations(t, gt)
 	stats := matchTrace(t, snap.DeviceTraces[0], want, 1_000_000) // match first, judge after
-	n := len(stats.distancesUs)
-	median, p999, worst := stats.quantile(0.5), stats.quantile(0.999), stats.quantile(1)
+	n := len(stats.DistancesUs)
+	median, p999, worst := stats.Quantile(0.5), stats.Quantile(0.999), stats.Quantile(1)
 	t.Logf("%d calls: distance from time_us to the call's [before, after] interval: median %.2f µs, p99.9 %.2f µs, max %.2f µs",
 		n, median, p999, worst)
 	if n < calls-16 {
@@ -38,7 +38,7 @@ func TestTimeAccuracy(t *testing.T) {
 		CalibrationErrorNs int64  `json:"calibration_error_ns"`
 		Calibrations       int    `json:"calibrations"`
 	}
-	snap.setting(t, "npuprobe_clock", &clk)
+	snap.Setting(t, "npuprobe_clock", &clk)
 	if clk.EventClock == "" || clk.CalibratedAgainst == "" || clk.Calibrations < 2 || clk.CalibrationErrorNs <= 0 || clk.CalibrationErrorNs > 50_000 {
 		t.Fatalf("npuprobe_clock metadata %+v", clk)
 	}

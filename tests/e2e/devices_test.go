@@ -111,7 +111,7 @@ func TestDeviceFallback(t *testing.T) {
 			gt := dumpTorchGroundTruth(t, w)
 			checkLevel(t, snap, "segment")
 			var note string
-			snap.setting(t, "npuprobe_device_note", &note)
+			snap.Setting(t, "npuprobe_device_note", &note)
 			if !strings.Contains(note, "default device") {
 				t.Errorf("device note does not document the fallback: %q", note)
 			}

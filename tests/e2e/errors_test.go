@@ -97,7 +97,7 @@ func TestUserErrors(t *testing.T) {
 					npuprobe, "--pid", fmt.Sprint(w.pid), "--out", out)
 			},
 			code: 1,
-			want: `^npuprobe: not enough privilege to load and attach eBPF programs: missing \[CAP_BPF CAP_PERFMON CAP_SYS_PTRACE\] \(run as root`,
+			want: `^npuprobe: not enough privilege to load and attach eBPF programs: missing \[CAP_BPF CAP_PERFMON CAP_SYS_PTRACE\] \(run as root, or grant CAP_SYS_ADMIN and CAP_SYS_PTRACE`,
 		},
 		{
 			name: "output directory not writable",

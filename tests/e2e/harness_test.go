@@ -8,7 +8,6 @@ package e2e
 import (
 	"bufio"
 	"bytes"
-	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
@@ -260,85 +259,4 @@ func (a *agentProc) wait(timeout time.Duration) int {
 		a.t.Fatalf("npuprobe did not exit within %v", timeout)
 	}
 	return a.cmd.ProcessState.ExitCode()
-}
-
-// Snapshot mirrors the pickled dict as the Python checker dumps it to JSON.
-type Snapshot struct {
-	Segments          []Segment                  `json:"segments"`
-	DeviceTraces      [][]TraceEntry             `json:"device_traces"`
-	AllocatorSettings map[string]json.RawMessage `json:"allocator_settings"`
-}
-
-type Segment struct {
-	Device        int     `json:"device"`
-	Address       uint64  `json:"address"`
-	TotalSize     uint64  `json:"total_size"`
-	AllocatedSize uint64  `json:"allocated_size"`
-	ActiveSize    uint64  `json:"active_size"`
-	RequestedSize uint64  `json:"requested_size"`
-	Stream        uint64  `json:"stream"`
-	SegmentType   string  `json:"segment_type"`
-	PoolID        []int64 `json:"segment_pool_id"`
-	IsExpandable  bool    `json:"is_expandable"`
-	Blocks        []Block `json:"blocks"`
-}
-
-type Block struct {
-	Address       uint64 `json:"address"`
-	Size          uint64 `json:"size"`
-	RequestedSize uint64 `json:"requested_size"`
-	State         string `json:"state"`
-}
-
-type TraceEntry struct {
-	Action     string  `json:"action"`
-	Addr       *uint64 `json:"addr"`
-	DeviceFree *uint64 `json:"device_free"`
-	Size       uint64  `json:"size"`
-	Stream     uint64  `json:"stream"`
-	TimeUs     int64   `json:"time_us"`
-	PoolID     []int64 `json:"pool_id"`
-}
-
-// loadSnapshot runs the Python checker on path (it must pass) and returns
-// the snapshot as the checker loaded it with python3's pickle.
-func loadSnapshot(t *testing.T, path string) *Snapshot {
-	t.Helper()
-	jsonPath := filepath.Join(t.TempDir(), "snapshot.json")
-	check := exec.Command("python3", filepath.Join(repoRoot, "tests", "snapshotcheck", "check_snapshot.py"),
-		"--expect-time", "--json-out", jsonPath, path)
-	out, err := check.CombinedOutput()
-	if err != nil {
-		t.Fatalf("snapshot checker rejected %s: %v\n%s", path, err, out)
-	}
-	b, err := os.ReadFile(jsonPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var s Snapshot
-	dec := json.NewDecoder(bytes.NewReader(b))
-	if err := dec.Decode(&s); err != nil {
-		t.Fatalf("decode checker JSON: %v", err)
-	}
-	checkGopickleAgrees(t, path, b)
-	st, err := os.Stat(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if st.Mode().Perm() != 0o600 {
-		t.Errorf("%s has mode %v, want 0600", path, st.Mode().Perm())
-	}
-	return &s
-}
-
-// setting decodes one allocator_settings value.
-func (s *Snapshot) setting(t *testing.T, key string, v any) {
-	t.Helper()
-	raw, ok := s.AllocatorSettings[key]
-	if !ok {
-		t.Fatalf("allocator_settings has no %q", key)
-	}
-	if err := json.Unmarshal(raw, v); err != nil {
-		t.Fatalf("allocator_settings[%q]: %v", key, err)
-	}
 }

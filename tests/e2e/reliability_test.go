@@ -6,7 +6,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"sort"
 	"strings"
 	"syscall"
 	"testing"
@@ -14,45 +13,6 @@ import (
 
 	"github.com/npuprobe/npuprobe/tests/fixture"
 )
-
-// allCallsExpected is segmentExpectations over every call, whatever its
-// phase: for a workload that made no call before npuprobe was attached.
-func allCallsExpected(t *testing.T, gt *fixture.GroundTruth) map[int][]expected {
-	t.Helper()
-	for i := range gt.Calls {
-		gt.Calls[i].Phase = fixture.PhaseRun
-	}
-	for i := range gt.Live {
-		gt.Live[i].Phase = fixture.PhaseRun
-	}
-	want, unknown := segmentExpectations(t, gt)
-	if unknown != 0 {
-		t.Fatalf("%d frees of unknown allocations in a workload that allocated nothing before attach", unknown)
-	}
-	return want
-}
-
-// checkLiveSegments requires snap's segments to be the workload's live
-// allocations of the run phase.
-func checkLiveSegments(t *testing.T, gt *fixture.GroundTruth, snap *Snapshot) {
-	t.Helper()
-	var want []fixture.Live
-	for _, l := range gt.Live {
-		if l.Phase == fixture.PhaseRun {
-			want = append(want, l)
-		}
-	}
-	sort.Slice(want, func(i, j int) bool { return want[i].Address < want[j].Address })
-	if len(snap.Segments) != len(want) {
-		t.Fatalf("%d live segments, the workload holds %d", len(snap.Segments), len(want))
-	}
-	for i, s := range snap.Segments {
-		if s.Address != want[i].Address || s.TotalSize != want[i].Size || s.Device != want[i].Device {
-			t.Fatalf("segment %d = {dev %d %#x %d}, workload has {dev %d %#x %d}",
-				i, s.Device, s.Address, s.TotalSize, want[i].Device, want[i].Address, want[i].Size)
-		}
-	}
-}
 
 // TestWaitForLateRuntime: npuprobe attached to a process that has not
 // loaded the runtime yet waits, and when the process dlopen()s it, attaches
@@ -72,11 +32,11 @@ func TestWaitForLateRuntime(t *testing.T) {
 	gt := w.groundTruth()
 	want := allCallsExpected(t, gt)
 	stats := matchTrace(t, snap.DeviceTraces[0], want, 50)
-	t.Logf("all %d calls recorded from the first one after the dlopen", len(stats.distancesUs))
+	t.Logf("all %d calls recorded from the first one after the dlopen", len(stats.DistancesUs))
 	var loss struct {
 		ReturnsWithoutEntry uint64 `json:"returns_without_entry"`
 	}
-	snap.setting(t, "npuprobe_loss", &loss)
+	snap.Setting(t, "npuprobe_loss", &loss)
 	if loss.ReturnsWithoutEntry != 0 {
 		t.Errorf("%d returns without entry: a call was in flight while attaching", loss.ReturnsWithoutEntry)
 	}
@@ -237,11 +197,11 @@ func TestDropsAndResync(t *testing.T) {
 	a.expect(regexp.MustCompile(`, [1-9]\d* dropped$`), 30*time.Second)
 	snap := loadSnapshot(t, a.snapshot())
 	var dropped uint64
-	snap.setting(t, "npuprobe_dropped_events", &dropped)
+	snap.Setting(t, "npuprobe_dropped_events", &dropped)
 	var model struct {
 		Resyncs uint64 `json:"resyncs"`
 	}
-	snap.setting(t, "npuprobe_model", &model)
+	snap.Setting(t, "npuprobe_model", &model)
 	t.Logf("%d records dropped, %d resyncs", dropped, model.Resyncs)
 	if dropped == 0 || model.Resyncs == 0 {
 		t.Fatalf("expected drops and a resync: dropped %d, resyncs %d", dropped, model.Resyncs)
@@ -349,7 +309,7 @@ func TestUntracedProcessesFilteredInBPF(t *testing.T) {
 	var loss struct {
 		Foreign uint64 `json:"records_from_untraced_processes"`
 	}
-	snap.setting(t, "npuprobe_loss", &loss)
+	snap.Setting(t, "npuprobe_loss", &loss)
 	if loss.Foreign != 0 {
 		t.Fatalf("%d records of an untraced process reached user space", loss.Foreign)
 	}
@@ -384,7 +344,7 @@ func TestDropsAndResyncTensor(t *testing.T) {
 	snap := loadSnapshot(t, a.snapshot())
 	gt := dumpTorchGroundTruth(t, w)
 	var dropped uint64
-	snap.setting(t, "npuprobe_dropped_events", &dropped)
+	snap.Setting(t, "npuprobe_dropped_events", &dropped)
 	if dropped == 0 {
 		t.Fatal("no record was dropped: the test needs a smaller ring buffer or a faster workload")
 	}

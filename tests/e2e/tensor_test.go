@@ -87,7 +87,7 @@ func TestTensorLevelMatchesGroundTruth(t *testing.T) {
 			compareTensorSnapshot(t, r.final, r.snap, nil)
 			if c.env != nil {
 				var conf struct{ Source, Value string }
-				r.snap.setting(t, "npuprobe_alloc_conf", &conf)
+				r.snap.Setting(t, "npuprobe_alloc_conf", &conf)
 				name, value, _ := strings.Cut(c.env[0], "=")
 				if conf.Source != name || conf.Value != value {
 					t.Errorf("npuprobe_alloc_conf = %+v, want %s=%s", conf, name, value)
@@ -116,7 +116,7 @@ func TestTensorLevelMidRunAttach(t *testing.T) {
 			var model struct {
 				TensorFreesBeforeAttach uint64 `json:"tensor_frees_before_attach"`
 			}
-			r.snap.setting(t, "npuprobe_model", &model)
+			r.snap.Setting(t, "npuprobe_model", &model)
 			if model.TensorFreesBeforeAttach != unseenFrees || unseenFrees == 0 {
 				t.Errorf("metadata counts %d frees of pre-attach tensors, the ground truth has %d (want > 0)",
 					model.TensorFreesBeforeAttach, unseenFrees)
@@ -145,7 +145,7 @@ func TestTensorLevelFromDebugFile(t *testing.T) {
 				"--pattern", "transformer", "--steps", "6", "--streams", "2", "--pre-attach-steps", "0")
 			checkLevel(t, r.snap, "tensor")
 			var src string
-			r.snap.setting(t, "npuprobe_symbols", &src)
+			r.snap.Setting(t, "npuprobe_symbols", &src)
 			if !strings.HasPrefix(src, c.source) {
 				t.Errorf("symbols from %q, want %q", src, c.source)
 			}
@@ -202,7 +202,7 @@ func TestTensorLevelStrippedFallsBack(t *testing.T) {
 func checkLevel(t *testing.T, snap *Snapshot, want string) {
 	t.Helper()
 	var level string
-	snap.setting(t, "npuprobe_level", &level)
+	snap.Setting(t, "npuprobe_level", &level)
 	if level != want {
 		t.Fatalf("npuprobe_level = %q, want %q", level, want)
 	}
