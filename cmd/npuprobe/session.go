@@ -91,7 +91,12 @@ type session struct {
 }
 
 func newSession(tracer *agent.Tracer, dir *output.Dir, opts sessionOptions, log io.Writer) *session {
-	host, _ := os.Hostname()
+	// In a pod the host name is the pod's; the DaemonSet passes the
+	// node's name (downward API) so snapshot names say which machine.
+	host := os.Getenv("NODE_NAME")
+	if host == "" {
+		host, _ = os.Hostname()
+	}
 	clk := clock.System{}
 	tracker := clock.NewTracker(clk, clock.DefaultPairs)
 	// A wall-clock step (settimeofday, an NTP step) is noticed the moment it
