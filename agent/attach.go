@@ -242,6 +242,11 @@ func (a *attachment) torch(pid, filterPID int, target *Target, opts AttachOption
 			plan = append(plan, chosen{p, *fn})
 		}
 	}
+	// Before the probes, so no runtime call made inside a torch_npu
+	// allocation can miss its context (see torch_probes_attached).
+	if err := a.t.coll.Variables["torch_probes_attached"].Set(uint32(1)); err != nil {
+		return fmt.Errorf("enable torch_npu context: %w", err)
+	}
 	for _, c := range plan {
 		// Return sites first, for the same reason as return probes first.
 		for _, site := range c.fn.returns.offsets {

@@ -164,6 +164,16 @@ volatile const __u32 cfg_stop_on_load = 0;
  * ring buffer, set with its size). */
 volatile const __u64 cfg_wakeup_bytes = 2 << 20;
 
+/*
+ * Set by the agent (before it attaches them) once any torch_npu probe is
+ * attached. Until then no thread can be inside a caching-allocator call we
+ * see, so runtime returns skip fill_ctx's four map lookups: at segment level
+ * (torch_npu stripped, the common case) those were a sixth of the cost of a
+ * traced aclrtMalloc. A global rather than a per-process flag: --all finds
+ * processes in BPF before the agent has looked at their libraries.
+ */
+volatile __u32 torch_probes_attached = 0;
+
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
 	/* Resized by user space before loading (--ring-size); a power of two. */
@@ -421,6 +431,8 @@ static __always_inline struct pending_call *pending_of(__u64 pid_tgid, __u8 fn)
  */
 static __always_inline void fill_ctx(struct npu_event *e, __u64 pid_tgid)
 {
+	if (!torch_probes_attached)
+		return;
 	struct pending_call *c = pending_of(pid_tgid, NPU_FN_TORCH_MALLOC);
 	if (c) { /* devPtr, device, size, stream */
 		e->ctx_device = (__s32)c->args[1];

@@ -119,6 +119,7 @@ const (
 	NpuprobeVarCfgTraceAll                          = "cfg_trace_all"
 	NpuprobeVarCfgWakeupBytes                       = "cfg_wakeup_bytes"
 	NpuprobeVarNpuEventBtfAnchor                    = "npu_event_btf_anchor"
+	NpuprobeVarTorchProbesAttached                  = "torch_probes_attached"
 )
 
 // LoadNpuprobe returns the embedded CollectionSpec for Npuprobe.
@@ -218,10 +219,11 @@ type NpuprobeMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type NpuprobeVariableSpecs struct {
-	CfgStopOnLoad     *ebpf.VariableSpec `ebpf:"cfg_stop_on_load"`
-	CfgTraceAll       *ebpf.VariableSpec `ebpf:"cfg_trace_all"`
-	CfgWakeupBytes    *ebpf.VariableSpec `ebpf:"cfg_wakeup_bytes"`
-	NpuEventBtfAnchor *ebpf.VariableSpec `ebpf:"npu_event_btf_anchor"`
+	CfgStopOnLoad       *ebpf.VariableSpec `ebpf:"cfg_stop_on_load"`
+	CfgTraceAll         *ebpf.VariableSpec `ebpf:"cfg_trace_all"`
+	CfgWakeupBytes      *ebpf.VariableSpec `ebpf:"cfg_wakeup_bytes"`
+	NpuEventBtfAnchor   *ebpf.VariableSpec `ebpf:"npu_event_btf_anchor"`
+	TorchProbesAttached *ebpf.VariableSpec `ebpf:"torch_probes_attached"`
 }
 
 // NpuprobeObjects contains all objects after they have been loaded into the kernel.
@@ -269,10 +271,11 @@ func (m *NpuprobeMaps) Close() error {
 //
 // It can be passed to LoadNpuprobeObjects or ebpf.CollectionSpec.LoadAndAssign.
 type NpuprobeVariables struct {
-	CfgStopOnLoad     *ebpf.Variable `ebpf:"cfg_stop_on_load"`
-	CfgTraceAll       *ebpf.Variable `ebpf:"cfg_trace_all"`
-	CfgWakeupBytes    *ebpf.Variable `ebpf:"cfg_wakeup_bytes"`
-	NpuEventBtfAnchor *ebpf.Variable `ebpf:"npu_event_btf_anchor"`
+	CfgStopOnLoad       *ebpf.Variable `ebpf:"cfg_stop_on_load"`
+	CfgTraceAll         *ebpf.Variable `ebpf:"cfg_trace_all"`
+	CfgWakeupBytes      *ebpf.Variable `ebpf:"cfg_wakeup_bytes"`
+	NpuEventBtfAnchor   *ebpf.Variable `ebpf:"npu_event_btf_anchor"`
+	TorchProbesAttached *ebpf.Variable `ebpf:"torch_probes_attached"`
 }
 
 // NpuprobePrograms contains all programs after they have been loaded into the kernel.
