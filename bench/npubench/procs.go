@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
 	"errors"
 	"fmt"
@@ -11,7 +10,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"strconv"
-	"sync"
 	"syscall"
 	"time"
 
@@ -51,10 +49,8 @@ func (w *workload) groundTruth() (*fixture.GroundTruth, error) {
 type tracer struct {
 	cmd  *exec.Cmd
 	done chan struct{}
-	mu   sync.Mutex
-	out  bytes.Buffer // npuprobe: stderr; bpftrace: stderr
-	// lines: npuprobe's stderr lines.
-	lines chan string
+	// stderr: npuprobe's (which Expect waits on) or bpftrace's.
+	stderr *fixture.Output
 	// outFile: bpftrace's stdout.
 	outFile string
 }
@@ -69,22 +65,10 @@ func startNpuprobe(bin, outDir string, pids []int, extra ...string) (*tracer, er
 	cmd := exec.Command(bin, args...)
 	pr, pw := io.Pipe()
 	cmd.Stderr = pw
-	t := &tracer{cmd: cmd, done: make(chan struct{}), lines: make(chan string, 4096)}
+	t := &tracer{cmd: cmd, done: make(chan struct{}), stderr: fixture.WatchOutput(pr)}
 	if err := cmd.Start(); err != nil {
 		return nil, err
 	}
-	go func() {
-		sc := bufio.NewScanner(pr)
-		for sc.Scan() {
-			t.mu.Lock()
-			t.out.WriteString(sc.Text() + "\n")
-			t.mu.Unlock()
-			select {
-			case t.lines <- sc.Text():
-			default:
-			}
-		}
-	}()
 	go func() {
 		cmd.Wait()
 		pw.Close()
@@ -107,13 +91,15 @@ func startBpftrace(script, lib, outFile string, pid int) (*tracer, error) {
 	defer f.Close()
 	cmd := exec.Command("bpftrace", "-p", strconv.Itoa(pid), script, lib)
 	cmd.Stdout = f
-	t := &tracer{cmd: cmd, done: make(chan struct{}), outFile: outFile}
-	cmd.Stderr = &lockedWriter{t: t}
+	pr, pw := io.Pipe()
+	cmd.Stderr = pw
+	t := &tracer{cmd: cmd, done: make(chan struct{}), stderr: fixture.WatchOutput(pr), outFile: outFile}
 	if err := cmd.Start(); err != nil {
 		return nil, err
 	}
 	go func() {
 		cmd.Wait()
+		pw.Close()
 		close(t.done)
 	}()
 	deadline := time.Now().Add(60 * time.Second)
@@ -135,47 +121,13 @@ func startBpftrace(script, lib, outFile string, pid int) (*tracer, error) {
 	}
 }
 
-type lockedWriter struct{ t *tracer }
+func (t *tracer) log() string { return t.stderr.Log() }
 
-func (w *lockedWriter) Write(p []byte) (int, error) {
-	w.t.mu.Lock()
-	defer w.t.mu.Unlock()
-	return w.t.out.Write(p)
-}
-
-func (t *tracer) log() string {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return t.out.String()
-}
-
+// expect waits for a line of npuprobe's stderr matching re.
 func (t *tracer) expect(re *regexp.Regexp, timeout time.Duration) ([]string, error) {
-	deadline := time.After(timeout)
-	for {
-		select {
-		case line := <-t.lines:
-			if m := re.FindStringSubmatch(line); m != nil {
-				return m, nil
-			}
-		case <-t.done:
-			// Drain what was printed before exiting.
-			for {
-				select {
-				case line := <-t.lines:
-					if m := re.FindStringSubmatch(line); m != nil {
-						return m, nil
-					}
-				default:
-					return nil, fmt.Errorf("tracer exited before printing a line matching %q", re)
-				}
-			}
-		case <-deadline:
-			return nil, fmt.Errorf("no line matching %q within %v", re, timeout)
-		}
-	}
+	return t.stderr.Expect(re, timeout)
 }
 
-// wait waits for the tracer to exit by itself.
 func (t *tracer) wait(timeout time.Duration) error {
 	select {
 	case <-t.done:

@@ -1,7 +1,6 @@
 package container
 
 import (
-	"bufio"
 	"bytes"
 	"crypto/rand"
 	"encoding/hex"
@@ -13,7 +12,6 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -37,15 +35,13 @@ func containerName(role string) string {
 
 // workload is a fixture program running in its own container.
 type workload struct {
-	t       *testing.T
-	name    string // container
-	cmd     *exec.Cmd
-	hostPID int // the program's PID as npuprobe sees it (host namespace)
-	ctrPID  int // its PID inside its container, as it reported it
-	gtPath  string
-	stdin   io.WriteCloser
-	lines   chan string
-	stderr  bytes.Buffer
+	t                *testing.T
+	name             string // container
+	*fixture.Program        // the docker client, which relays the program's stdin and stdout
+	hostPID          int    // the program's PID as npuprobe sees it (host namespace)
+	ctrPID           int    // its PID inside its container, as it reported it
+	gtPath           string
+	stderr           bytes.Buffer
 }
 
 // startWorkload runs the fixture program bin (segment_workload or
@@ -66,41 +62,26 @@ func startWorkloadIn(t *testing.T, image, bin string, dockerArgs []string, args 
 	if err := os.Chmod(gtDir, 0o777); err != nil {
 		t.Fatal(err)
 	}
-	w := &workload{t: t, name: containerName("workload"), gtPath: filepath.Join(gtDir, "groundtruth.txt"), lines: make(chan string, 16)}
+	w := &workload{t: t, name: containerName("workload"), gtPath: filepath.Join(gtDir, "groundtruth.txt")}
 	run := []string{"run", "-i", "--rm", "--name", w.name, "--network", "none", "-v", gtDir + ":/gt"}
 	run = append(run, dockerArgs...)
 	run = append(run, image, workloadRoot+"/bin/"+bin, "--gt", "/gt/groundtruth.txt")
-	w.cmd = exec.Command(dockerBin, append(run, args...)...)
-	w.cmd.Stderr = &w.stderr
-	var err error
-	if w.stdin, err = w.cmd.StdinPipe(); err != nil {
-		t.Fatal(err)
-	}
-	stdout, err := w.cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := w.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
+	cmd := exec.Command(dockerBin, append(run, args...)...)
+	cmd.Stderr = &w.stderr
 	t.Cleanup(func() {
 		exec.Command(dockerBin, "rm", "-f", w.name).Run()
-		w.cmd.Wait()
-		if t.Failed() && w.stderr.Len() > 0 {
+		if w.Program != nil {
+			w.Kill()
+		}
+		if t.Failed() && w.stderr.String() != "" {
 			t.Logf("workload %s stderr:\n%s", w.name, w.stderr.String())
 		}
 	})
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			w.lines <- sc.Text()
-		}
-		close(w.lines)
-	}()
-	line := w.expectLine("ready ", time.Minute)
-	if w.ctrPID, err = strconv.Atoi(strings.TrimPrefix(line, "ready ")); err != nil {
-		t.Fatalf("workload said %q", line)
+	var err error
+	if w.Program, err = fixture.Start(cmd, time.Minute); err != nil {
+		t.Fatalf("workload %s: %v; stderr:\n%s", w.name, err, w.stderr.String())
 	}
+	w.ctrPID = w.PID
 	if w.hostPID, err = strconv.Atoi(docker(t, "inspect", "-f", "{{.State.Pid}}", w.name)); err != nil || w.hostPID <= 0 {
 		t.Fatalf("host PID of container %s: %v", w.name, err)
 	}
@@ -113,25 +94,16 @@ func startWorkloadIn(t *testing.T, image, bin string, dockerArgs []string, args 
 
 func (w *workload) expectLine(prefix string, timeout time.Duration) string {
 	w.t.Helper()
-	deadline := time.After(timeout)
-	for {
-		select {
-		case line, ok := <-w.lines:
-			if !ok {
-				w.t.Fatalf("workload %s ended before printing %q; stderr:\n%s", w.name, prefix, w.stderr.String())
-			}
-			if strings.HasPrefix(line, prefix) {
-				return line
-			}
-		case <-deadline:
-			w.t.Fatalf("workload %s did not print %q within %v", w.name, prefix, timeout)
-		}
+	line, err := w.Expect(prefix, timeout)
+	if err != nil {
+		w.t.Fatalf("workload %s: %v; stderr:\n%s", w.name, err, w.stderr.String())
 	}
+	return line
 }
 
 func (w *workload) send(line string) {
 	w.t.Helper()
-	if _, err := io.WriteString(w.stdin, line+"\n"); err != nil {
+	if err := w.Send(line); err != nil {
 		w.t.Fatalf("write %q to workload: %v", line, err)
 	}
 }
@@ -140,9 +112,8 @@ func (w *workload) send(line string) {
 func (w *workload) finish() {
 	w.t.Helper()
 	w.send("exit")
-	w.stdin.Close()
 	done := make(chan error, 1)
-	go func() { done <- w.cmd.Wait() }()
+	go func() { done <- w.Cmd.Wait() }()
 	select {
 	case err := <-done:
 		if err != nil {
@@ -172,11 +143,9 @@ type agent struct {
 	t        *testing.T
 	name     string
 	cmd      *exec.Cmd
-	outDir   string // host directory mounted at outMount
-	outMount string // where npuprobe writes snapshots in its container
-	mu       sync.Mutex
-	log      bytes.Buffer
-	lines    chan string
+	outDir   string          // host directory mounted at outMount
+	outMount string          // where npuprobe writes snapshots in its container
+	out      *fixture.Output // the container's stdout and stderr
 	done     chan struct{}
 }
 
@@ -196,30 +165,17 @@ func runAgent(t *testing.T, dockerArgs []string, args ...string) *agent {
 // runAgentOut is runAgent with the snapshot directory mounted at out.
 func runAgentOut(t *testing.T, out string, dockerArgs []string, args ...string) *agent {
 	t.Helper()
-	a := &agent{t: t, name: containerName("agent"), outDir: t.TempDir(), outMount: out,
-		lines: make(chan string, 4096), done: make(chan struct{})}
+	a := &agent{t: t, name: containerName("agent"), outDir: t.TempDir(), outMount: out, done: make(chan struct{})}
 	run := []string{"run", "--rm", "--name", a.name, "-v", a.outDir + ":" + out}
 	run = append(run, dockerArgs...)
 	run = append(run, agentImage)
 	a.cmd = exec.Command(dockerBin, append(run, args...)...)
 	pr, pw := io.Pipe()
 	a.cmd.Stdout, a.cmd.Stderr = pw, pw
+	a.out = fixture.WatchOutput(pr)
 	if err := a.cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	go func() {
-		sc := bufio.NewScanner(pr)
-		for sc.Scan() {
-			a.mu.Lock()
-			a.log.WriteString(sc.Text() + "\n")
-			a.mu.Unlock()
-			select {
-			case a.lines <- sc.Text():
-			default: // nobody is waiting for lines any more
-			}
-		}
-		close(a.lines)
-	}()
 	go func() {
 		a.cmd.Wait()
 		pw.Close()
@@ -243,29 +199,16 @@ func startAgent(t *testing.T, dockerArgs []string, args ...string) *agent {
 	return a
 }
 
-func (a *agent) output() string {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.log.String()
-}
+func (a *agent) output() string { return a.out.Log() }
 
 // expect waits for an output line matching re and returns its submatches.
 func (a *agent) expect(re *regexp.Regexp, timeout time.Duration) []string {
 	a.t.Helper()
-	deadline := time.After(timeout)
-	for {
-		select {
-		case line, ok := <-a.lines:
-			if !ok {
-				a.t.Fatalf("npuprobe's container ended before printing a line matching %q", re)
-			}
-			if m := re.FindStringSubmatch(line); m != nil {
-				return m
-			}
-		case <-deadline:
-			a.t.Fatalf("npuprobe printed no line matching %q within %v", re, timeout)
-		}
+	m, err := a.out.Expect(re, timeout)
+	if err != nil {
+		a.t.Fatalf("npuprobe's container: %v", err)
 	}
+	return m
 }
 
 // hostPath turns a path npuprobe printed (inside its container) into the

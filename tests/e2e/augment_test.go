@@ -208,42 +208,6 @@ func recordedEntries(t *testing.T, pre, final *fixture.TorchGroundTruth, segment
 		}
 		return out
 	}
-	// restrictToPostAttach, keeping indices.
-	type seg struct {
-		size uint64
-		post bool
-	}
-	live := map[uint64]*seg{}
-	owner := func(addr uint64) *seg {
-		for base, s := range live {
-			if addr >= base && addr < base+s.size {
-				return s
-			}
-		}
-		return nil
-	}
-	for i, e := range trace {
-		post := i >= preLen
-		switch e.Action {
-		case "segment_alloc":
-			live[e.Addr] = &seg{size: e.Size, post: post}
-			if post {
-				out = append(out, i)
-			}
-		case "segment_free":
-			if s := live[e.Addr]; s != nil && s.post && post {
-				out = append(out, i)
-			}
-			delete(live, e.Addr)
-		case "oom":
-			if post {
-				out = append(out, i)
-			}
-		default:
-			if s := owner(e.Addr); post && s != nil && s.post {
-				out = append(out, i)
-			}
-		}
-	}
+	out, _ = postAttachEntries(trace, preLen, make(map[uint64]*gtSegment))
 	return out
 }

@@ -6,8 +6,6 @@
 package e2e
 
 import (
-	"bufio"
-	"bytes"
 	"flag"
 	"fmt"
 	"io"
@@ -16,7 +14,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"runtime"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -141,9 +138,7 @@ func (w *workload) groundTruth() *fixture.GroundTruth {
 type agentProc struct {
 	t      *testing.T
 	cmd    *exec.Cmd
-	mu     sync.Mutex
-	stderr bytes.Buffer
-	lines  chan string // stderr lines
+	stderr *fixture.Output
 	done   chan struct{}
 }
 
@@ -159,22 +154,12 @@ func runAgent(t *testing.T, args ...string) *agentProc {
 	t.Helper()
 	cmd := exec.Command(npuprobe, args...)
 	pr, pw := io.Pipe()
-	a := &agentProc{t: t, cmd: cmd, lines: make(chan string, 1024), done: make(chan struct{})}
+	a := &agentProc{t: t, cmd: cmd, stderr: fixture.WatchOutput(pr), done: make(chan struct{})}
 	cmd.Stderr = pw
 	cmd.Stdout = os.Stdout
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	go func() {
-		sc := bufio.NewScanner(pr)
-		for sc.Scan() {
-			a.mu.Lock()
-			a.stderr.WriteString(sc.Text() + "\n")
-			a.mu.Unlock()
-			a.lines <- sc.Text()
-		}
-		close(a.lines)
-	}()
 	go func() {
 		cmd.Wait()
 		pw.Close()
@@ -194,29 +179,16 @@ func runAgent(t *testing.T, args ...string) *agentProc {
 	return a
 }
 
-func (a *agentProc) log() string {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.stderr.String()
-}
+func (a *agentProc) log() string { return a.stderr.Log() }
 
 // expect waits for a stderr line matching re and returns its submatches.
 func (a *agentProc) expect(re *regexp.Regexp, timeout time.Duration) []string {
 	a.t.Helper()
-	deadline := time.After(timeout)
-	for {
-		select {
-		case line, ok := <-a.lines:
-			if !ok {
-				a.t.Fatalf("npuprobe ended before printing a line matching %q", re)
-			}
-			if m := re.FindStringSubmatch(line); m != nil {
-				return m
-			}
-		case <-deadline:
-			a.t.Fatalf("npuprobe printed no line matching %q within %v", re, timeout)
-		}
+	m, err := a.stderr.Expect(re, timeout)
+	if err != nil {
+		a.t.Fatalf("npuprobe: %v", err)
 	}
+	return m
 }
 
 // wroteRE matches the line of a snapshot asked for by a signal; exitRE
@@ -235,20 +207,9 @@ func (a *agentProc) snapshot() string {
 	return a.expect(wroteRE, 60*time.Second)[1]
 }
 
-// quiet consumes stderr lines until none arrives for d: npuprobe has
-// finished what it was asked.
-func (a *agentProc) quiet(d time.Duration) {
-	for {
-		select {
-		case _, ok := <-a.lines:
-			if !ok {
-				return
-			}
-		case <-time.After(d):
-			return
-		}
-	}
-}
+// quiet waits until npuprobe has printed nothing for d: it has finished
+// what it was asked.
+func (a *agentProc) quiet(d time.Duration) { a.stderr.Quiet(d) }
 
 // wait waits for npuprobe to exit and returns its exit code.
 func (a *agentProc) wait(timeout time.Duration) int {

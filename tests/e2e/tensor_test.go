@@ -310,54 +310,19 @@ func traceContext(want []fixture.TorchTraceEntry, k int) string {
 // drops: frees of tensors npuprobe cannot have seen allocated.
 func restrictToPostAttach(t *testing.T, pre, final *fixture.TorchGroundTruth) (*fixture.TorchGroundTruth, uint64) {
 	t.Helper()
-	type seg struct {
-		size uint64
-		post bool
-	}
 	out := &fixture.TorchGroundTruth{Config: final.Config}
 	var unseenFrees uint64
-	live := make(map[uint64]*seg)
-	owner := func(addr uint64) *seg {
-		for base, s := range live {
-			if addr >= base && addr < base+s.size {
-				return s
-			}
-		}
-		return nil
-	}
+	live := make(map[uint64]*gtSegment)
 	for d, trace := range final.DeviceTraces {
 		preLen := 0
 		if d < len(pre.DeviceTraces) {
 			preLen = len(pre.DeviceTraces[d])
 		}
-		var kept []fixture.TorchTraceEntry
-		for i, e := range trace {
-			post := i >= preLen
-			switch e.Action {
-			case "segment_alloc":
-				live[e.Addr] = &seg{size: e.Size, post: post}
-				if post {
-					kept = append(kept, e)
-				}
-			case "segment_free":
-				if s := live[e.Addr]; s != nil && s.post && post {
-					kept = append(kept, e)
-				}
-				delete(live, e.Addr)
-			case "oom":
-				if post {
-					kept = append(kept, e)
-				}
-			default:
-				if !post {
-					continue
-				}
-				if s := owner(e.Addr); s != nil && s.post {
-					kept = append(kept, e)
-				} else if e.Action == "free_requested" {
-					unseenFrees++
-				}
-			}
+		idx, unseen := postAttachEntries(trace, preLen, live)
+		unseenFrees += unseen
+		kept := make([]fixture.TorchTraceEntry, 0, len(idx))
+		for _, i := range idx {
+			kept = append(kept, trace[i])
 		}
 		out.DeviceTraces = append(out.DeviceTraces, kept)
 	}
@@ -367,4 +332,55 @@ func restrictToPostAttach(t *testing.T, pre, final *fixture.TorchGroundTruth) (*
 		}
 	}
 	return out, unseenFrees
+}
+
+// gtSegment is a ground-truth segment as postAttachEntries tracks it.
+type gtSegment struct {
+	size uint64
+	post bool // created after attach
+}
+
+// postAttachEntries returns the indices of trace's entries from preLen on
+// (after attach) that concern segments created after attach, and its oom
+// entries; and how many frees it left out (of tensors npuprobe cannot have
+// seen allocated). live holds the segments alive so far, by address, and
+// is updated: devices share one address space.
+func postAttachEntries(trace []fixture.TorchTraceEntry, preLen int, live map[uint64]*gtSegment) (kept []int, unseenFrees uint64) {
+	owner := func(addr uint64) *gtSegment {
+		for base, s := range live {
+			if addr >= base && addr < base+s.size {
+				return s
+			}
+		}
+		return nil
+	}
+	for i, e := range trace {
+		post := i >= preLen
+		switch e.Action {
+		case "segment_alloc":
+			live[e.Addr] = &gtSegment{size: e.Size, post: post}
+			if post {
+				kept = append(kept, i)
+			}
+		case "segment_free":
+			if s := live[e.Addr]; s != nil && s.post && post {
+				kept = append(kept, i)
+			}
+			delete(live, e.Addr)
+		case "oom":
+			if post {
+				kept = append(kept, i)
+			}
+		default:
+			if !post {
+				continue
+			}
+			if s := owner(e.Addr); s != nil && s.post {
+				kept = append(kept, i)
+			} else if e.Action == "free_requested" {
+				unseenFrees++
+			}
+		}
+	}
+	return kept, unseenFrees
 }
