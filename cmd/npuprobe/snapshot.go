@@ -9,7 +9,6 @@ import (
 
 	"github.com/npuprobe/npuprobe/agent"
 	"github.com/npuprobe/npuprobe/allocmodel"
-	"github.com/npuprobe/npuprobe/clock"
 	"github.com/npuprobe/npuprobe/output"
 )
 
@@ -30,7 +29,7 @@ func (s *session) writeSnapshot(p *traced, reason string) []string {
 	}
 	settings := s.settings(p, &view.Snapshot, loss, reason)
 	write := func(w io.Writer) error {
-		return output.WriteSnapshotFrom(w, newStampedView(view, s.conv), settings)
+		return output.WriteSnapshotFrom(w, output.ViewSource(view, s.conv), settings)
 	}
 	s.status.clear()
 	var path string
@@ -225,28 +224,4 @@ func humanBytes(n uint64) string {
 		exp++
 	}
 	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTPE"[exp])
-}
-
-// stampedView is a model View whose entries get their unix time as they
-// are written.
-type stampedView struct {
-	*allocmodel.View
-	stampers []*clock.Stamper
-}
-
-func newStampedView(v *allocmodel.View, conv *clock.Converter) *stampedView {
-	sv := &stampedView{View: v}
-	for range v.Devices() {
-		sv.stampers = append(sv.stampers, conv.NewStamper())
-	}
-	return sv
-}
-
-func (v *stampedView) SnapshotSegments() []allocmodel.Segment { return v.Segments }
-func (v *stampedView) SnapshotPools() []allocmodel.PoolID     { return v.Pools }
-
-func (v *stampedView) TraceEntry(dev, i int) allocmodel.TraceEntry {
-	e := v.View.TraceEntry(dev, i)
-	e.TimeUs = v.stampers[dev].Stamp(e.MonoNs)
-	return e
 }
