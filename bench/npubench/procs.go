@@ -37,12 +37,7 @@ func startWorkload(fx *fixture.Paths, dir string, args ...string) (*workload, er
 }
 
 func (w *workload) groundTruth() (*fixture.GroundTruth, error) {
-	f, err := os.Open(w.gt)
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	return fixture.ParseGroundTruth(f)
+	return fixture.ReadGroundTruth(w.gt)
 }
 
 // tracer is a running npuprobe or bpftrace.

@@ -126,12 +126,7 @@ func (w *workload) finish() {
 
 func (w *workload) groundTruth() *fixture.GroundTruth {
 	w.t.Helper()
-	f, err := os.Open(w.gtPath)
-	if err != nil {
-		w.t.Fatal(err)
-	}
-	defer f.Close()
-	gt, err := fixture.ParseGroundTruth(f)
+	gt, err := fixture.ReadGroundTruth(w.gtPath)
 	if err != nil {
 		w.t.Fatal(err)
 	}

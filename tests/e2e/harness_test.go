@@ -122,12 +122,7 @@ func (w *workload) send(line string) {
 
 func (w *workload) groundTruth() *fixture.GroundTruth {
 	w.t.Helper()
-	f, err := os.Open(w.gtPath)
-	if err != nil {
-		w.t.Fatal(err)
-	}
-	defer f.Close()
-	gt, err := fixture.ParseGroundTruth(f)
+	gt, err := fixture.ReadGroundTruth(w.gtPath)
 	if err != nil {
 		w.t.Fatal(err)
 	}
