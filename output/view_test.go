@@ -35,7 +35,8 @@ func TestViewSourceWritesWhatTheCopyWrites(t *testing.T) {
 	mono += 2_000
 	ev(am.Event{Tid: 1, MonoNs: mono, Call: am.CallMallocAlign32, Outcome: am.OutcomeOOM, RC: am.ACLErrorMemoryAllocation, Size: 64 * mib})
 
-	// Slightly off 1 ns/ns, and not starting at zero, so stamping matters.
+	// Unix time far from the monotonic readings, so an unstamped or
+	// wrongly stamped entry shows.
 	conv := clock.NewConverter(clock.Calibration{MonoNs: 0, RealNs: 1_790_000_000_123_456_789})
 	settings := []output.Setting{{Key: "npuprobe_version", Value: "test"}}
 

@@ -123,6 +123,7 @@ func (t *tracer) expect(re *regexp.Regexp, timeout time.Duration) ([]string, err
 	return t.stderr.Expect(re, timeout)
 }
 
+// wait waits for the tracer to exit by itself.
 func (t *tracer) wait(timeout time.Duration) error {
 	select {
 	case <-t.done:
