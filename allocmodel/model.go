@@ -142,7 +142,9 @@ type Counters struct {
 	// know: tensors allocated before attach. No entry is recorded.
 	FreesOfUnknownBlocks uint64
 	// AllocsUnplaceable counts tensor allocations in memory outside every
-	// known segment (segments obtained before attach). No entry is recorded.
+	// known segment (segments obtained before attach), or running past the
+	// end of the known segment (the larger segment that replaced it was
+	// lost with dropped records). No entry is recorded.
 	AllocsUnplaceable uint64
 	// AllocsOverLiveBlock counts allocations of a block the model held
 	// allocated: its free was lost.
@@ -661,6 +663,18 @@ func (m *Model) applyMemInfo(t *threadState, ev *Event) {
 		m.record(dev, TraceEntry{MonoNs: ev.MonoNs, Action: ActionOOM, Addr: ev.Addr,
 			Size: m.cfg.Alloc.RoundSize(ev.Ctx.Size), Stream: stream})
 	}
+}
+
+// OOMPending reports whether an oom entry still waits for the free-bytes
+// figure of the aclrtGetMemInfo call torch_npu makes after a failed
+// allocation: a snapshot taken now would carry an estimate.
+func (m *Model) OOMPending() bool {
+	for _, t := range m.threads {
+		if t.oomPending {
+			return true
+		}
+	}
+	return false
 }
 
 // inferOOMFree settles a pending oom entry that no aclrtGetMemInfo followed.

@@ -79,10 +79,11 @@ func (m *Model) resyncAllocBlocks(live map[uint64]LiveAllocation) {
 			continue // the same allocation (resyncFreeBlocks freed changed ones)
 		}
 		b := m.blockForAlloc(a.Addr)
-		if b == nil || b.allocated || !b.mapped {
+		size := m.cfg.Alloc.RoundSize(a.Size)
+		if b == nil || b.allocated || !b.mapped || reach(b) < size {
 			continue // in memory the model does not know
 		}
-		b = m.claim(b, m.cfg.Alloc.RoundSize(a.Size), m.lastMono)
+		b = m.claim(b, size, m.lastMono)
 		b.allocated, b.requested = true, a.Size
 		d := m.device(b.seg.device)
 		d.allocated += b.size

@@ -49,6 +49,15 @@ func (m *Model) applyTensorAlloc(t *threadState, ev *Event) {
 			return
 		}
 	}
+	if reach(b) < size {
+		// The allocation runs past the end of the model's segment (or its
+		// mapped range): the real segment here is another, larger one,
+		// whose records were lost. Placing the block would put it outside
+		// its segment in the trace; the resync that follows lost records
+		// brings both in.
+		m.counters.AllocsUnplaceable++
+		return
+	}
 	b = m.claim(b, size, ev.MonoNs)
 	b.allocated = true
 	b.requested = ev.Size
@@ -140,11 +149,22 @@ func (m *Model) blockForAlloc(ptr uint64) *block {
 	return nil
 }
 
+// reach is how many bytes an allocation starting at b could take: b and
+// the blocks after it in the same mapped state, up to the segment's end.
+func reach(b *block) uint64 {
+	n := b.size
+	for x := b.next; x != nil && x.mapped == b.mapped; x = x.next {
+		n += x.size
+	}
+	return n
+}
+
 // claim makes the free block b fit an allocation of size bytes, as the
 // allocator just did: normally by splitting off the rest (should_split).
 // A block too small means the model missed frees after it (their records
 // were lost): the following blocks are freed (with their entries, at
 // monoNs) and merged in until the allocation fits.
+// The caller checks that it can (reach).
 func (m *Model) claim(b *block, size uint64, monoNs int64) *block {
 	for b.size < size && b.next != nil && b.next.mapped == b.mapped {
 		n := b.next

@@ -306,3 +306,87 @@ func TestTensorRuntimeAllocationsOutsideAllocator(t *testing.T) {
 		t.Fatalf("counters %+v", c)
 	}
 }
+
+// TestTensorAllocPastLostSegment: records of the allocator releasing a
+// segment and obtaining a larger one at the same address were lost. An
+// allocation that only fits the larger segment is not placed in the
+// model's stale, smaller one (the trace would free a block running past
+// its segment, and memory_viz cannot draw that); the resync brings in the
+// segment and the block, and the whole trace replays.
+func TestTensorAllocPastLostSegment(t *testing.T) {
+	tm := newTensorModel(t, "")
+	const seg = 0x40000000
+	tm.segment(seg, 20<<20, 12<<20)
+	tm.alloc(seg, 12<<20)
+	tm.free(seg)
+	// Lost: the segment's release and a 40 MiB one at the same address.
+	tm.alloc(seg, 30<<20)
+	if c := tm.m.Counters(); c.AllocsUnplaceable != 1 || c.BlocksMergedRepaired != 0 {
+		t.Fatalf("an allocation past the segment's end was placed: %+v", c)
+	}
+	tm.m.Resync(allocmodel.LiveState{
+		Segments: []allocmodel.LiveAllocation{{Addr: seg, Size: 40 << 20, Device: 0, ByAllocator: true}},
+		Blocks:   []allocmodel.LiveAllocation{{Addr: seg, Size: 30 << 20, Device: 0}},
+	})
+	conf := allocmodel.DefaultAllocConf()
+	want := conf.RoundSize(30 << 20)
+	tm.wantBlocks(seg, blk{want, 30 << 20, allocated}, blk{40<<20 - want, 0, inactive})
+	replayBackwards(t, tm.m.Snapshot())
+}
+
+// replayBackwards undoes a device's trace from the snapshot's state, as
+// memory_viz does to draw it, and fails where an entry does not fit the
+// state it undoes: an alloc or free outside every segment or running past
+// its end, a segment freed or allocated twice. Expandable segments are
+// not covered.
+func replayBackwards(t *testing.T, snap *allocmodel.Snapshot) {
+	t.Helper()
+	for dev, trace := range snap.Traces {
+		segs := map[uint64]uint64{} // address → size
+		live := map[uint64]bool{}   // allocated block addresses
+		for _, s := range snap.Segments {
+			if s.Device != dev {
+				continue
+			}
+			segs[s.Address] = s.TotalSize
+			for _, b := range s.Blocks {
+				if b.State == allocated {
+					live[b.Address] = true
+				}
+			}
+		}
+		inSegment := func(addr, size uint64) bool {
+			for a, n := range segs {
+				if addr >= a && addr+size <= a+n {
+					return true
+				}
+			}
+			return false
+		}
+		for i := len(trace) - 1; i >= 0; i-- {
+			e := trace[i]
+			switch e.Action {
+			case allocmodel.ActionSegmentAlloc:
+				if segs[e.Addr] != e.Size {
+					t.Fatalf("device %d entry %d: segment_alloc %#x+%d, state has size %d", dev, i, e.Addr, e.Size, segs[e.Addr])
+				}
+				delete(segs, e.Addr)
+			case allocmodel.ActionSegmentFree:
+				if _, ok := segs[e.Addr]; ok {
+					t.Fatalf("device %d entry %d: segment_free %#x of a segment that exists after it", dev, i, e.Addr)
+				}
+				segs[e.Addr] = e.Size
+			case allocmodel.ActionAlloc:
+				if !live[e.Addr] || !inSegment(e.Addr, e.Size) {
+					t.Fatalf("device %d entry %d: alloc %#x+%d not live in a segment after it", dev, i, e.Addr, e.Size)
+				}
+				delete(live, e.Addr)
+			case allocmodel.ActionFreeCompleted:
+				if live[e.Addr] || !inSegment(e.Addr, e.Size) {
+					t.Fatalf("device %d entry %d: free %#x+%d not free inside a segment after it", dev, i, e.Addr, e.Size)
+				}
+				live[e.Addr] = true
+			}
+		}
+	}
+}

@@ -26,8 +26,15 @@ const pollInterval = 100 * time.Millisecond
 
 // oomSettle is how long after an OOM its snapshot waits: torch_npu asks for
 // the device's free memory right after the failure, and the oom entry
-// should carry that figure.
-const oomSettle = 2 * time.Millisecond
+// should carry that figure. The snapshot waits for that query's record
+// (the failing thread may be descheduled before it makes the call, for
+// longer than oomSettle on a loaded machine), at most oomSettleMax of wall
+// time; after that the entry carries the model's estimate (counted in
+// oom_device_free_inferred).
+const (
+	oomSettle    = 2 * time.Millisecond
+	oomSettleMax = 250 * time.Millisecond
+)
 
 // request asks the event loop to write snapshots once every event up to
 // a moment has been applied.
@@ -43,6 +50,15 @@ type request struct {
 	pid int
 	// reply, if set, receives the written paths (control API).
 	reply chan<- dumpReply
+	// settleBy, for an OOM, is the wall-clock time after which the snapshot
+	// is written even if the oom entry still waits for its free bytes.
+	settleBy time.Time
+}
+
+// ready reports whether r may be served: an OOM's snapshot waits until the
+// oom entry has its free-bytes figure, or until settleBy.
+func (r *request) ready() bool {
+	return r.reason != "oom" || !r.only.model.OOMPending() || time.Now().After(r.settleBy)
 }
 
 // sessionOptions are the command-line choices a session runs with.
@@ -141,14 +157,17 @@ func (s *session) run() error {
 	applied := 0
 	for {
 		deadline := time.Now().Add(pollInterval)
-		if len(pending) > 0 {
+		switch {
+		case len(pending) > 0 && !pending[0].ready():
+			deadline = time.Now().Add(time.Millisecond) // an OOM waits for its free bytes
+		case len(pending) > 0:
 			deadline = time.Now() // only drain what is already buffered
 		}
 		s.tracer.SetDeadline(deadline)
 		err := s.tracer.Read(&ev)
 		switch {
 		case err == nil:
-			for len(pending) > 0 && ev.MonoNs > pending[0].at {
+			for len(pending) > 0 && ev.MonoNs > pending[0].at && pending[0].ready() {
 				if s.serve(&pending[0]) {
 					return nil
 				}
@@ -173,7 +192,7 @@ func (s *session) run() error {
 		// the kernel, the moment to resync after losses and to serve
 		// everything asked.
 		s.resyncIfLost()
-		for len(pending) > 0 {
+		for len(pending) > 0 && pending[0].ready() {
 			if s.serve(&pending[0]) {
 				return nil
 			}
@@ -221,7 +240,7 @@ func (s *session) apply(ev *allocmodel.Event, pending []request) []request {
 	ooms := p.model.Counters().OOMs
 	p.model.Apply(ev)
 	if s.opts.dumpOnOOM && p.model.Counters().OOMs > ooms {
-		pending = append(pending, request{reason: "oom", only: p, at: ev.MonoNs + int64(oomSettle)})
+		pending = append(pending, request{reason: "oom", only: p, at: ev.MonoNs + int64(oomSettle), settleBy: time.Now().Add(oomSettleMax)})
 	}
 	return pending
 }

@@ -174,8 +174,11 @@ func TestOOMDump(t *testing.T) {
 	for _, e := range trace {
 		if e.Action == "oom" {
 			found = true
-			if e.DeviceFree == nil || *e.DeviceFree != oomFree {
-				t.Fatalf("oom entry device_free %v, the workload was told %d", e.DeviceFree, oomFree)
+			if e.DeviceFree == nil {
+				t.Fatalf("oom entry without device_free, the workload was told %d", oomFree)
+			}
+			if *e.DeviceFree != oomFree {
+				t.Fatalf("oom entry device_free %d, the workload was told %d", *e.DeviceFree, oomFree)
 			}
 		}
 	}
