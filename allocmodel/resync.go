@@ -80,7 +80,7 @@ func (m *Model) resyncAllocBlocks(live map[uint64]LiveAllocation) {
 		}
 		b := m.blockForAlloc(a.Addr)
 		size := m.cfg.Alloc.RoundSize(a.Size)
-		if b == nil || b.allocated || !b.mapped || reach(b) < size {
+		if b == nil || b.allocated || !b.mapped || !fits(b, size) {
 			continue // in memory the model does not know
 		}
 		b = m.claim(b, size, m.lastMono)

@@ -49,7 +49,7 @@ func (m *Model) applyTensorAlloc(t *threadState, ev *Event) {
 			return
 		}
 	}
-	if reach(b) < size {
+	if !fits(b, size) {
 		// The allocation runs past the end of the model's segment (or its
 		// mapped range): the real segment here is another, larger one,
 		// whose records were lost. Placing the block would put it outside
@@ -149,14 +149,15 @@ func (m *Model) blockForAlloc(ptr uint64) *block {
 	return nil
 }
 
-// reach is how many bytes an allocation starting at b could take: b and
-// the blocks after it in the same mapped state, up to the segment's end.
-func reach(b *block) uint64 {
+// fits reports whether an allocation of size bytes starting at b fits in b
+// and the blocks after it in the same mapped state, up to the segment's
+// end. It stops as soon as it does: normally at b itself.
+func fits(b *block, size uint64) bool {
 	n := b.size
-	for x := b.next; x != nil && x.mapped == b.mapped; x = x.next {
+	for x := b.next; n < size && x != nil && x.mapped == b.mapped; x = x.next {
 		n += x.size
 	}
-	return n
+	return n >= size
 }
 
 // claim makes the free block b fit an allocation of size bytes, as the
@@ -164,7 +165,7 @@ func reach(b *block) uint64 {
 // A block too small means the model missed frees after it (their records
 // were lost): the following blocks are freed (with their entries, at
 // monoNs) and merged in until the allocation fits.
-// The caller checks that it can (reach).
+// The caller checks that it can (fits).
 func (m *Model) claim(b *block, size uint64, monoNs int64) *block {
 	for b.size < size && b.next != nil && b.next.mapped == b.mapped {
 		n := b.next
