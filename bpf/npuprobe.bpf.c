@@ -143,16 +143,62 @@ enum npu_counter {
 	NPU_CTR_MAX = 8,
 };
 
-/* Key of a call in flight: one per thread and function, so calls of
- * different probed functions may nest without confusing the pairing. */
-struct pending_key {
-	__u64 pid_tgid;
-	__u32 fn;
-	__u32 pad;
-};
-
+/* The arguments of a call in flight, saved at entry for its return. */
 struct pending_call {
 	__u64 args[4];
+};
+
+/*
+ * Each function whose entry is saved has a slot in its thread's
+ * thread_calls, so calls of different probed functions may nest without
+ * confusing the pairing.
+ */
+enum call_slot {
+	SLOT_MALLOC,
+	SLOT_MALLOC_ALIGN32,
+	SLOT_MALLOC_CACHED,
+	SLOT_SET_DEVICE,
+	SLOT_GET_DEVICE,
+	SLOT_GET_MEM_INFO,
+	SLOT_RESERVE_MEM_ADDRESS,
+	SLOT_MALLOC_PHYSICAL,
+	SLOT_MAP_MEM,
+	SLOT_TORCH_ALLOCATE,
+	SLOT_TORCH_RAW_ALLOC,
+	SLOT_TORCH_RAW_ALLOC_STREAM,
+	SLOT_TORCH_MALLOC,
+	SLOT_DLOPEN,
+	NPU_CALL_SLOTS,
+};
+
+/* The slot of fn; fn is a constant wherever this is inlined, so the switch
+ * folds away. */
+static __always_inline int slot_of(__u8 fn)
+{
+	switch (fn) {
+	case NPU_FN_MALLOC: return SLOT_MALLOC;
+	case NPU_FN_MALLOC_ALIGN32: return SLOT_MALLOC_ALIGN32;
+	case NPU_FN_MALLOC_CACHED: return SLOT_MALLOC_CACHED;
+	case NPU_FN_SET_DEVICE: return SLOT_SET_DEVICE;
+	case NPU_FN_GET_DEVICE: return SLOT_GET_DEVICE;
+	case NPU_FN_GET_MEM_INFO: return SLOT_GET_MEM_INFO;
+	case NPU_FN_RESERVE_MEM_ADDRESS: return SLOT_RESERVE_MEM_ADDRESS;
+	case NPU_FN_MALLOC_PHYSICAL: return SLOT_MALLOC_PHYSICAL;
+	case NPU_FN_MAP_MEM: return SLOT_MAP_MEM;
+	case NPU_FN_TORCH_ALLOCATE: return SLOT_TORCH_ALLOCATE;
+	case NPU_FN_TORCH_RAW_ALLOC: return SLOT_TORCH_RAW_ALLOC;
+	case NPU_FN_TORCH_RAW_ALLOC_STREAM: return SLOT_TORCH_RAW_ALLOC_STREAM;
+	case NPU_FN_TORCH_MALLOC: return SLOT_TORCH_MALLOC;
+	case NPU_FN_DLOPEN: return SLOT_DLOPEN;
+	}
+	return -1;
+}
+
+/* A thread's calls in flight: bit s of valid says slots[s] holds one. */
+struct thread_calls {
+	__u32 valid;
+	__u32 pad;
+	struct pending_call slots[NPU_CALL_SLOTS];
 };
 
 /* Set by the agent before loading (constants the verifier folds away). */
@@ -181,17 +227,30 @@ struct {
 } events SEC(".maps");
 
 /*
- * Calls in flight. LRU, because a uretprobe never fires for a frame unwound
- * by a C++ exception or longjmp (and the kernel caps return probes per task):
- * such stale entries must age out instead of filling the map. A thread's next
- * call of the same function overwrites its stale entry anyway.
+ * Calls in flight, one element per thread (key: pid_tgid) written in place.
+ * A call's entry then costs one inlined lookup and its return another, where
+ * an element per call cost an update at entry and a lookup and a delete at
+ * return: together a fifth of a traced aclrtMalloc (bench/bpf-profile).
+ * A slot left valid by a frame that never returned (a C++ exception or
+ * longjmp skips the uretprobe; the kernel caps return probes per task) is
+ * overwritten by the thread's next call of that function. LRU, so exited
+ * threads age out rather than fill the map. Task-local storage would free
+ * them exactly, but needs Linux 5.11 and kernel BTF; npuprobe runs on 5.8.
+ *
+ * max_entries bounds the threads with probed calls at one time, across
+ * every traced process: a training rank has a few hundred threads. Beyond
+ * it the least recently used thread's element is evicted, its call in
+ * flight counted unpaired at return (NPU_CTR_RETURN_UNPAIRED).
  */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 16384);
-	__type(key, struct pending_key);
-	__type(value, struct pending_call);
-} pending SEC(".maps");
+	__uint(max_entries, 8192);
+	__type(key, __u64);
+	__type(value, struct thread_calls);
+} thread_calls SEC(".maps");
+
+/* The initial value of a thread's element: nothing in flight. */
+static const struct thread_calls no_calls;
 
 /*
  * Processes being traced (key: tgid in the root PID namespace, value unused).
@@ -208,7 +267,7 @@ struct {
 /*
  * The last NpuCachingAllocator::malloc each thread completed: its stream and
  * device, for the allocate/raw_alloc that made it, which carries neither.
- * LRU for the same reason as pending.
+ * LRU for the same reason as thread_calls.
  */
 struct last_malloc {
 	__u64 ptr;
@@ -358,32 +417,78 @@ static __always_inline void emit(struct npu_event *e)
 		count(NPU_CTR_RINGBUF_FULL);
 }
 
+/* The calling thread's element, created on its first saved call. */
+static __always_inline struct thread_calls *calls_of(__u64 pid_tgid)
+{
+	struct thread_calls *c = bpf_map_lookup_elem(&thread_calls, &pid_tgid);
+	if (c)
+		return c;
+	/* BPF_NOEXIST: an element another program of this thread created in
+	 * between (a probed call from a signal handler) is kept. */
+	bpf_map_update_elem(&thread_calls, &pid_tgid, &no_calls, BPF_NOEXIST);
+	return bpf_map_lookup_elem(&thread_calls, &pid_tgid);
+}
+
+/*
+ * Saves a call's arguments for its return. Only the calling thread writes
+ * its element, so no lock is needed; the one hazard is an element evicted
+ * (more threads than max_entries) and handed to another thread between the
+ * lookup and the writes, which then sees a call it did not make.
+ */
+static __always_inline void save_call(__u64 pid_tgid, __u8 fn, __u64 a0, __u64 a1, __u64 a2, __u64 a3)
+{
+	int s = slot_of(fn);
+	if (s < 0 || s >= NPU_CALL_SLOTS)
+		return;
+	struct thread_calls *c = calls_of(pid_tgid);
+	if (!c) {
+		count(NPU_CTR_PENDING_FULL);
+		return;
+	}
+	struct pending_call *slot = &c->slots[s];
+	slot->args[0] = a0;
+	slot->args[1] = a1;
+	slot->args[2] = a2;
+	slot->args[3] = a3;
+	c->valid |= 1u << s;
+}
+
 static __always_inline int save_entry(__u8 fn, __u64 a0, __u64 a1, __u64 a2, __u64 a3)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	if (!traced(pid_tgid))
 		return 0;
-	struct pending_key key = {.pid_tgid = pid_tgid, .fn = fn};
-	struct pending_call call = {.args = {a0, a1, a2, a3}};
-	if (bpf_map_update_elem(&pending, &key, &call, BPF_ANY))
-		count(NPU_CTR_PENDING_FULL);
+	save_call(pid_tgid, fn, a0, a1, a2, a3);
+	return 0;
+}
+
+/* Copies out and clears the entry of the call of fn now returning. */
+static __always_inline int take_call(__u64 pid_tgid, __u8 fn, struct pending_call *out)
+{
+	int s = slot_of(fn);
+	if (s < 0 || s >= NPU_CALL_SLOTS)
+		return -1;
+	struct thread_calls *c = bpf_map_lookup_elem(&thread_calls, &pid_tgid);
+	if (!c || !(c->valid & (1u << s)))
+		return -1;
+	*out = c->slots[s];
+	c->valid &= ~(1u << s);
 	return 0;
 }
 
 /*
- * Looks up and removes the entry of the call now returning. Copies it out
- * because the map value may be reused once deleted.
+ * take_call for the runtime and torch return probes. An entry is saved only
+ * for traced processes, so finding one is the process filter too: the return
+ * skips traced()'s lookup, an eighth of a malloc return. Only a miss asks
+ * whether the process is traced, to count the miss.
  */
 static __always_inline int take_entry(__u64 pid_tgid, __u8 fn, struct pending_call *out)
 {
-	struct pending_key key = {.pid_tgid = pid_tgid, .fn = fn};
-	struct pending_call *call = bpf_map_lookup_elem(&pending, &key);
-	if (!call) {
-		count(NPU_CTR_RETURN_UNPAIRED);
+	if (take_call(pid_tgid, fn, out)) {
+		if (traced(pid_tgid))
+			count(NPU_CTR_RETURN_UNPAIRED);
 		return -1;
 	}
-	*out = *call;
-	bpf_map_delete_elem(&pending, &key);
 	return 0;
 }
 
@@ -417,12 +522,6 @@ static __always_inline void live_del(__u64 pid_tgid, __u32 kind, __u64 addr)
 	bpf_map_delete_elem(&live, &k);
 }
 
-static __always_inline struct pending_call *pending_of(__u64 pid_tgid, __u8 fn)
-{
-	struct pending_key key = {.pid_tgid = pid_tgid, .fn = fn};
-	return bpf_map_lookup_elem(&pending, &key);
-}
-
 /*
  * Fills ctx_* from the torch_npu allocation the thread is inside, if any:
  * the runtime call is then the caching allocator getting memory (or, for
@@ -433,30 +532,30 @@ static __always_inline void fill_ctx(struct npu_event *e, __u64 pid_tgid)
 {
 	if (!torch_probes_attached)
 		return;
-	struct pending_call *c = pending_of(pid_tgid, NPU_FN_TORCH_MALLOC);
-	if (c) { /* devPtr, device, size, stream */
-		e->ctx_device = (__s32)c->args[1];
-		e->ctx_size = c->args[2];
-		e->ctx_stream = c->args[3];
+	struct thread_calls *c = bpf_map_lookup_elem(&thread_calls, &pid_tgid);
+	if (!c)
+		return;
+	if (c->valid & (1u << SLOT_TORCH_MALLOC)) { /* devPtr, device, size, stream */
+		struct pending_call *m = &c->slots[SLOT_TORCH_MALLOC];
+		e->ctx_device = (__s32)m->args[1];
+		e->ctx_size = m->args[2];
+		e->ctx_stream = m->args[3];
 		e->flags |= NPU_EVF_CTX | NPU_EVF_CTX_STREAM | NPU_EVF_CTX_DEVICE;
 		return;
 	}
-	c = pending_of(pid_tgid, NPU_FN_TORCH_RAW_ALLOC_STREAM);
-	if (c) { /* size, stream */
-		e->ctx_size = c->args[0];
-		e->ctx_stream = c->args[1];
+	if (c->valid & (1u << SLOT_TORCH_RAW_ALLOC_STREAM)) { /* size, stream */
+		e->ctx_size = c->slots[SLOT_TORCH_RAW_ALLOC_STREAM].args[0];
+		e->ctx_stream = c->slots[SLOT_TORCH_RAW_ALLOC_STREAM].args[1];
 		e->flags |= NPU_EVF_CTX | NPU_EVF_CTX_STREAM;
 		return;
 	}
-	c = pending_of(pid_tgid, NPU_FN_TORCH_ALLOCATE);
-	if (c) { /* sret, size */
-		e->ctx_size = c->args[1];
+	if (c->valid & (1u << SLOT_TORCH_ALLOCATE)) { /* sret, size */
+		e->ctx_size = c->slots[SLOT_TORCH_ALLOCATE].args[1];
 		e->flags |= NPU_EVF_CTX;
 		return;
 	}
-	c = pending_of(pid_tgid, NPU_FN_TORCH_RAW_ALLOC);
-	if (c) { /* size */
-		e->ctx_size = c->args[0];
+	if (c->valid & (1u << SLOT_TORCH_RAW_ALLOC)) { /* size */
+		e->ctx_size = c->slots[SLOT_TORCH_RAW_ALLOC].args[0];
 		e->flags |= NPU_EVF_CTX;
 	}
 }
@@ -525,8 +624,6 @@ static __always_inline int malloc_entry(struct npu_regs *ctx, __u8 fn)
 static __always_inline int malloc_return(struct npu_regs *ctx, __u8 fn)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	if (!traced(pid_tgid))
-		return 0;
 	struct pending_call call;
 	if (take_entry(pid_tgid, fn, &call))
 		return 0;
@@ -583,8 +680,6 @@ SEC("uretprobe/aclrtSetDevice")
 int uretprobe_aclrt_set_device(struct npu_regs *ctx)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	if (!traced(pid_tgid))
-		return 0;
 	struct pending_call call;
 	if (take_entry(pid_tgid, NPU_FN_SET_DEVICE, &call))
 		return 0;
@@ -606,8 +701,6 @@ SEC("uretprobe/aclrtGetDevice")
 int uretprobe_aclrt_get_device(struct npu_regs *ctx)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	if (!traced(pid_tgid))
-		return 0;
 	struct pending_call call;
 	if (take_entry(pid_tgid, NPU_FN_GET_DEVICE, &call))
 		return 0;
@@ -632,8 +725,6 @@ SEC("uretprobe/aclrtGetMemInfo")
 int uretprobe_aclrt_get_mem_info(struct npu_regs *ctx)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	if (!traced(pid_tgid))
-		return 0;
 	struct pending_call call;
 	if (take_entry(pid_tgid, NPU_FN_GET_MEM_INFO, &call))
 		return 0;
@@ -663,8 +754,6 @@ SEC("uretprobe/aclrtReserveMemAddress")
 int uretprobe_aclrt_reserve_mem_address(struct npu_regs *ctx)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	if (!traced(pid_tgid))
-		return 0;
 	struct pending_call call;
 	if (take_entry(pid_tgid, NPU_FN_RESERVE_MEM_ADDRESS, &call))
 		return 0;
@@ -703,8 +792,6 @@ SEC("uretprobe/aclrtMallocPhysical")
 int uretprobe_aclrt_malloc_physical(struct npu_regs *ctx)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	if (!traced(pid_tgid))
-		return 0;
 	struct pending_call call;
 	if (take_entry(pid_tgid, NPU_FN_MALLOC_PHYSICAL, &call))
 		return 0;
@@ -735,8 +822,6 @@ SEC("uretprobe/aclrtMapMem")
 int uretprobe_aclrt_map_mem(struct npu_regs *ctx)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	if (!traced(pid_tgid))
-		return 0;
 	struct pending_call call;
 	if (take_entry(pid_tgid, NPU_FN_MAP_MEM, &call))
 		return 0;
@@ -776,8 +861,9 @@ int uprobe_aclrt_unmap_mem(struct npu_regs *ctx) { return record_entry(NPU_FN_UN
  */
 static __always_inline void forget_torch_malloc(__u64 pid_tgid)
 {
-	struct pending_key key = {.pid_tgid = pid_tgid, .fn = NPU_FN_TORCH_MALLOC};
-	bpf_map_delete_elem(&pending, &key);
+	struct thread_calls *c = bpf_map_lookup_elem(&thread_calls, &pid_tgid);
+	if (c)
+		c->valid &= ~(1u << SLOT_TORCH_MALLOC);
 }
 
 /* Copies stream and device of the malloc that produced ptr on this thread. */
@@ -819,8 +905,6 @@ SEC("uprobe/torch_allocate_return")
 int uprobe_torch_allocate_return(struct npu_regs *ctx)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	if (!traced(pid_tgid))
-		return 0;
 	struct pending_call call;
 	if (take_entry(pid_tgid, NPU_FN_TORCH_ALLOCATE, &call))
 		return 0;
@@ -858,8 +942,6 @@ static __always_inline int raw_alloc_entry(struct npu_regs *ctx, __u8 fn)
 static __always_inline int raw_alloc_return(struct npu_regs *ctx, __u8 fn)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	if (!traced(pid_tgid))
-		return 0;
 	struct pending_call call;
 	if (take_entry(pid_tgid, fn, &call))
 		return 0;
@@ -909,8 +991,6 @@ SEC("uprobe/torch_malloc_return")
 int uprobe_torch_malloc_return(struct npu_regs *ctx)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	if (!traced(pid_tgid))
-		return 0;
 	struct pending_call call;
 	if (take_entry(pid_tgid, NPU_FN_TORCH_MALLOC, &call))
 		return 0;
@@ -963,10 +1043,7 @@ int uprobe_dlopen(struct npu_regs *ctx)
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	if (!watched(pid_tgid))
 		return 0;
-	struct pending_key key = {.pid_tgid = pid_tgid, .fn = NPU_FN_DLOPEN};
-	struct pending_call call = {.args = {NPU_ARG0(ctx), 0, 0, 0}};
-	if (bpf_map_update_elem(&pending, &key, &call, BPF_ANY))
-		count(NPU_CTR_PENDING_FULL);
+	save_call(pid_tgid, NPU_FN_DLOPEN, NPU_ARG0(ctx), 0, 0, 0);
 	return 0;
 }
 
@@ -982,12 +1059,10 @@ int uretprobe_dlopen(struct npu_regs *ctx)
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	if (!watched(pid_tgid))
 		return 0;
-	struct pending_key key = {.pid_tgid = pid_tgid, .fn = NPU_FN_DLOPEN};
-	struct pending_call *call = bpf_map_lookup_elem(&pending, &key);
-	if (!call)
+	struct pending_call call;
+	if (take_call(pid_tgid, NPU_FN_DLOPEN, &call))
 		return 0;
-	__u64 name_ptr = call->args[0];
-	bpf_map_delete_elem(&pending, &key);
+	__u64 name_ptr = call.args[0];
 	__u64 handle = NPU_RET(ctx);
 	if (!handle || !name_ptr)
 		return 0;

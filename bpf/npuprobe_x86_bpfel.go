@@ -56,16 +56,14 @@ type NpuprobeNpuEvent struct {
 	Pad       [3]uint8
 }
 
-type NpuprobePendingCall struct {
-	_    structs.HostLayout
-	Args [4]uint64
-}
-
-type NpuprobePendingKey struct {
-	_       structs.HostLayout
-	PidTgid uint64
-	Fn      uint32
-	Pad     uint32
+type NpuprobeThreadCalls struct {
+	_     structs.HostLayout
+	Valid uint32
+	Pad   uint32
+	Slots [14]struct {
+		_    structs.HostLayout
+		Args [4]uint64
+	}
 }
 
 // Names of all BPF objects in the ELF.
@@ -76,7 +74,7 @@ const (
 	NpuprobeMapEvents                               = "events"
 	NpuprobeMapLastMallocs                          = "last_mallocs"
 	NpuprobeMapLive                                 = "live"
-	NpuprobeMapPending                              = "pending"
+	NpuprobeMapThreadCalls                          = "thread_calls"
 	NpuprobeMapTracedTgids                          = "traced_tgids"
 	NpuprobeMapWatchedTgids                         = "watched_tgids"
 	NpuprobeProgTracepointSchedProcessExec          = "tracepoint_sched_process_exec"
@@ -210,7 +208,7 @@ type NpuprobeMapSpecs struct {
 	Events       *ebpf.MapSpec `ebpf:"events"`
 	LastMallocs  *ebpf.MapSpec `ebpf:"last_mallocs"`
 	Live         *ebpf.MapSpec `ebpf:"live"`
-	Pending      *ebpf.MapSpec `ebpf:"pending"`
+	ThreadCalls  *ebpf.MapSpec `ebpf:"thread_calls"`
 	TracedTgids  *ebpf.MapSpec `ebpf:"traced_tgids"`
 	WatchedTgids *ebpf.MapSpec `ebpf:"watched_tgids"`
 }
@@ -250,7 +248,7 @@ type NpuprobeMaps struct {
 	Events       *ebpf.Map `ebpf:"events"`
 	LastMallocs  *ebpf.Map `ebpf:"last_mallocs"`
 	Live         *ebpf.Map `ebpf:"live"`
-	Pending      *ebpf.Map `ebpf:"pending"`
+	ThreadCalls  *ebpf.Map `ebpf:"thread_calls"`
 	TracedTgids  *ebpf.Map `ebpf:"traced_tgids"`
 	WatchedTgids *ebpf.Map `ebpf:"watched_tgids"`
 }
@@ -261,7 +259,7 @@ func (m *NpuprobeMaps) Close() error {
 		m.Events,
 		m.LastMallocs,
 		m.Live,
-		m.Pending,
+		m.ThreadCalls,
 		m.TracedTgids,
 		m.WatchedTgids,
 	)

@@ -310,11 +310,16 @@ func TestUntracedProcessesFilteredInBPF(t *testing.T) {
 	other.expectLine("done", 2*time.Minute)
 	snap := loadSnapshot(t, a.snapshot())
 	var loss struct {
-		Foreign uint64 `json:"records_from_untraced_processes"`
+		Foreign             uint64 `json:"records_from_untraced_processes"`
+		ReturnsWithoutEntry uint64 `json:"returns_without_entry"`
 	}
 	snap.Setting(t, "npuprobe_loss", &loss)
 	if loss.Foreign != 0 {
 		t.Fatalf("%d records of an untraced process reached user space", loss.Foreign)
+	}
+	// Nor is any of its returns counted as a return without entry.
+	if loss.ReturnsWithoutEntry != 0 {
+		t.Fatalf("%d returns without entry: the untraced process's returns were counted", loss.ReturnsWithoutEntry)
 	}
 	checkSegmentSnapshot(t, traced.groundTruth(), snap)
 }
