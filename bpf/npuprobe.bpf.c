@@ -423,8 +423,9 @@ static __always_inline struct thread_calls *calls_of(__u64 pid_tgid)
 	struct thread_calls *c = bpf_map_lookup_elem(&thread_calls, &pid_tgid);
 	if (c)
 		return c;
-	/* BPF_NOEXIST: an element another program of this thread created in
-	 * between (a probed call from a signal handler) is kept. */
+	/* The thread's first saved call: an element with no slot valid. Only
+	 * this thread creates its element, so none can have appeared since
+	 * the lookup; BPF_NOEXIST would keep it if one had. */
 	bpf_map_update_elem(&thread_calls, &pid_tgid, &no_calls, BPF_NOEXIST);
 	return bpf_map_lookup_elem(&thread_calls, &pid_tgid);
 }
